@@ -1,0 +1,20 @@
+"""deepspeed-zero3: a drop-in ZeRO-3 parameter runtime for upstream DeepSpeed.
+
+Importing this package is cheap (no torch, no deepspeed): the activation hook
+imports it at every interpreter start.
+"""
+
+__version__ = "0.1.0"
+
+__all__ = ["__version__", "get_zero3_stats", "reset_zero3_stats", "overlay_status"]
+
+
+def __getattr__(name):
+    # Lazy so that `import deepspeed_zero3` never pulls in torch.
+    if name in ("get_zero3_stats", "reset_zero3_stats"):
+        from deepspeed_zero3.runtime.zero import stats_api
+        return getattr(stats_api, name)
+    if name == "overlay_status":
+        from deepspeed_zero3.activation import overlay_status
+        return overlay_status
+    raise AttributeError(f"module 'deepspeed_zero3' has no attribute {name!r}")
