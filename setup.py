@@ -3,6 +3,7 @@
 Everything else lives in pyproject.toml.
 """
 
+import ast
 import os
 
 from setuptools import setup
@@ -23,4 +24,21 @@ class BuildPyWithPth(build_py):
         return super().get_outputs(include_bytecode) + [os.path.join(self.build_lib, PTH_NAME)]
 
 
-setup(cmdclass={"build_py": BuildPyWithPth})
+def supported_deepspeed_requirement():
+    """Build the deepspeed requirement from SUPPORTED_DEEPSPEED_VERSIONS in _compat.py (read, not imported).
+
+    One version pins it exactly; several give the range they span, and the run-time check in
+    deepspeed_zero3.activation turns the overlay off for any version in between that is not listed.
+    """
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "src", "deepspeed_zero3", "_compat.py")
+    with open(path) as handle:
+        tree = ast.parse(handle.read())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "SUPPORTED_DEEPSPEED_VERSIONS":
+            versions = sorted(ast.literal_eval(node.value), key=lambda v: tuple(int(x) for x in v.split(".")))
+            if len(versions) == 1:
+                return f"deepspeed=={versions[0]}"
+            return f"deepspeed>={versions[0]},<={versions[-1]}"
+    raise RuntimeError("SUPPORTED_DEEPSPEED_VERSIONS not found in src/deepspeed_zero3/_compat.py")
+
+setup(cmdclass={"build_py": BuildPyWithPth}, install_requires=[supported_deepspeed_requirement(), "torch", "packaging"])

@@ -1,0 +1,104 @@
+"""Issuing and completing all-gathers of partitioned parameters.
+
+[Note: the fast path]
+Gathers go through upstream's ``all_gather_coalesced`` on the dedicated
+all-gather stream, exactly as upstream's coordinator issues them: parameters
+with a secondary (hpZ) partition and those without are gathered in separate
+calls, quantized partitions (ZeRO++ qwZ) with ``quantize=True``. Waiting for a
+handle keeps upstream's back-pressure: at most two fetch events are left
+queued on the stream, since memory is allocated by the host at submit time but
+used later by the stream. On CPU (gloo) the stream is None and all of this runs
+synchronously.
+"""
+
+import collections
+from typing import Deque, Iterable, List
+
+from torch.nn import Parameter
+
+from deepspeed.accelerator import get_accelerator
+from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+MAX_QUEUED_FETCH_EVENTS = 2
+
+
+class InflightParamRegistry(collections.UserDict):
+    """Parameter -> all-gather handle, for parameters whose gather was issued and not yet waited on."""
+
+    def __setitem__(self, param: Parameter, handle) -> None:
+        if param in self.data:
+            raise RuntimeError(f"parameter ds_id={param.ds_id} shape={tuple(param.ds_shape)} is already in flight")
+        if param.ds_status != ZeroParamStatus.INFLIGHT:
+            raise RuntimeError(f"only an in-flight parameter can be registered, got ds_id={param.ds_id} "
+                               f"with status {param.ds_status.name}")
+        self.data[param] = handle
+
+
+class Gatherer:
+    """Issues gathers on the all-gather stream and completes them with back-pressure."""
+
+    def __init__(self, allgather_stream, inflight: InflightParamRegistry, quantize_weights: bool = False):
+        self.allgather_stream = allgather_stream
+        self.inflight = inflight
+        self.quantize_weights = quantize_weights
+        self.queued_events: Deque = collections.deque()
+
+    def submit(self, params: Iterable[Parameter]) -> List[List[Parameter]]:
+        """Start gathering every NOT_AVAILABLE parameter of ``params``; returns the groups, one per collective."""
+        pending = [p for p in params if p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
+        quantized = [p for p in pending if hasattr(p.ds_tensor, "ds_quant_scale")]
+        plain = [p for p in pending if not hasattr(p.ds_tensor, "ds_quant_scale")]
+        issued = []
+        for group, quantize in ((quantized, True), (plain, self.quantize_weights)):
+            with_secondary = [p for p in group if p.ds_secondary_tensor is not None]
+            without_secondary = [p for p in group if p.ds_secondary_tensor is None]
+            for subgroup in (with_secondary, without_secondary):
+                if not subgroup:
+                    continue
+                with get_accelerator().stream(self.allgather_stream):
+                    handle = subgroup[0].all_gather_coalesced(subgroup, quantize=quantize)
+                for param in subgroup:
+                    self.inflight[param] = handle
+                issued.append(subgroup)
+        return issued
+
+    def wait(self, params: Iterable[Parameter]) -> None:
+        """Block until each of ``params`` is AVAILABLE (those in flight are completed here)."""
+        waited = False
+        for param in params:
+            handle = self.inflight.pop(param, None)
+            if handle is None:
+                continue
+            waited = True
+            with get_accelerator().stream(self.allgather_stream):
+                while self.queued_events and self.queued_events[0].query():
+                    self.queued_events.popleft()
+                if len(self.queued_events) > MAX_QUEUED_FETCH_EVENTS:
+                    self.queued_events.popleft().synchronize()
+                handle.wait()
+                if not get_accelerator().handles_memory_backpressure():
+                    event = get_accelerator().Event()
+                    event.record()
+                    self.queued_events.append(event)
+        if waited and not get_accelerator().resolves_data_dependency():
+            get_accelerator().current_stream().wait_stream(self.allgather_stream)
+
+    def wait_all(self) -> List[Parameter]:
+        """Complete every gather in flight; returns the parameters that were in flight."""
+        params = list(self.inflight.keys())
+        for param in params:
+            self.inflight.pop(param).wait()
+        return params
+
+
+def is_available(param: Parameter) -> bool:
+    return param.ds_status == ZeroParamStatus.AVAILABLE
+
+
+def holds_full_buffer(param: Parameter) -> bool:
+    """Available or in flight: both hold a full-size buffer."""
+    return param.ds_status != ZeroParamStatus.NOT_AVAILABLE
+
+
+def numel_of(params: Iterable[Parameter]) -> int:
+    return sum(p.ds_numel for p in params)

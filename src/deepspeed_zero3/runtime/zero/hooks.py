@@ -1,0 +1,170 @@
+"""The ZeRO-3 hooks on each module, routed to the coordinator of the module's registry.
+
+Per module, four hooks (the same points upstream hooks):
+  pre-forward   fetch the module's parameters; count inputs that will receive gradients
+  forward       release after the forward (always called, also when the forward raises)
+  forward       wrap outputs so that the gradient reaching them fetches the parameters (pre-backward)
+and the input wrapping makes the last input gradient release them (post-backward).
+Per root module, two more mark where a forward pass begins and ends.
+
+Nothing here reads ``nn.Module.training``.
+"""
+
+import sys
+from typing import List
+
+import torch
+from torch.nn import Module
+from torch.utils.hooks import RemovableHandle
+
+from deepspeed.runtime.zero.partition_parameters import register_external_parameter, unregister_external_parameter
+from deepspeed.runtime.zero.utils import apply_to_tensors_only, is_zero_param
+
+from deepspeed_zero3.runtime.zero.ordered_dict import FWD_MODULE_STACK
+
+
+class PreBackwardHook(torch.autograd.Function):
+    """Identity on a module output; its backward fetches the module's parameters before the module's backward."""
+
+    @staticmethod
+    def forward(ctx, router, module, tensor):
+        ctx.router = router
+        ctx.module = module
+        return tensor.detach()
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.router.pre_backward(ctx.module)
+        return None, None, grad
+
+
+class PostBackwardHook(torch.autograd.Function):
+    """Identity on a module input; when the last input gradient is computed, the module's backward is done."""
+
+    @staticmethod
+    def forward(ctx, router, module, tensor):
+        ctx.router = router
+        ctx.module = module
+        return tensor.detach()
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.router.input_grad_done(ctx.module)
+        return None, None, grad
+
+
+def _unexpected_type_warning(value):
+    return (f"deepspeed-zero3: a module input or output of type {type(value).__name__} hides its tensors from the "
+            "ZeRO-3 backward hooks; its parameters are then fetched on demand in backward and released at its end.")
+
+
+def handle_is_live(handle: RemovableHandle) -> bool:
+    hooks = handle.hooks_dict_ref()
+    return hooks is not None and handle.id in hooks
+
+
+class HookRouter:
+    """Installs the hooks and turns hook events into coordinator calls."""
+
+    def __init__(self, coordinator):
+        self.coordinator = coordinator
+
+    # ---------------------------------------------------------------- installation
+
+    def install_module_hooks(self, module: Module) -> List[RemovableHandle]:
+        return [
+            module.register_forward_pre_hook(self._pre_forward),
+            module.register_forward_hook(self._post_forward, always_call=True),
+            module.register_forward_hook(self._wrap_outputs),
+            module.register_forward_pre_hook(self._wrap_inputs),
+        ]
+
+    def install_root_hooks(self, root: Module) -> List[RemovableHandle]:
+        return [
+            root.register_forward_pre_hook(self._enter_root, prepend=True),
+            root.register_forward_hook(self._exit_root, always_call=True),
+        ]
+
+    # ---------------------------------------------------------------- pass boundaries
+
+    def _enter_root(self, module, args):
+        self.coordinator.enter_root_forward()
+
+    def _exit_root(self, module, args, output):
+        # always_call hooks also run when the forward raised; then an exception is being handled.
+        self.coordinator.exit_root_forward(aborted=sys.exc_info()[0] is not None)
+
+    # ---------------------------------------------------------------- forward
+
+    @torch.compiler.disable
+    def _pre_forward(self, module, args):
+        FWD_MODULE_STACK.append(module)
+        self.coordinator.fetch_sub_module(module, forward=True)
+
+    def _post_forward(self, module, args, output):
+        if FWD_MODULE_STACK and FWD_MODULE_STACK[-1] is module:
+            FWD_MODULE_STACK.pop()
+        if sys.exc_info()[0] is None:
+            self._register_returned_params(module, output)
+        self.coordinator.release_sub_module(module, forward=True)
+
+    def _register_returned_params(self, module, output):
+        """A module that returns a ZeRO parameter hands it to its caller: register it there as external."""
+        for item in _tensors_of(output):
+            if not (is_zero_param(item) or hasattr(item, "ds_param_alias")):
+                continue
+            param = item if hasattr(item, "ds_id") else item.ds_param_alias
+            if any(id(param) in getattr(m, "_external_params", {}) for m in FWD_MODULE_STACK):
+                continue
+            param.is_external_param = True
+            if FWD_MODULE_STACK:
+                register_external_parameter(FWD_MODULE_STACK[-1], param)
+            # Covered by the caller from now on, not by the module that returned it.
+            if id(param) in getattr(module, "_external_params", {}):
+                unregister_external_parameter(module, param)
+            param.all_gather()
+
+    # ---------------------------------------------------------------- backward
+
+    @torch.compiler.disable
+    def _wrap_inputs(self, module, args):
+        if not torch.is_grad_enabled():
+            return None
+
+        def wrap(tensor):
+            if not tensor.requires_grad:
+                return tensor
+            self.coordinator.expect_input_grad(module)
+            return PostBackwardHook.apply(self, module, tensor)
+
+        self.coordinator.begin_module_grad_count(module)
+        return apply_to_tensors_only(wrap, args, warning_msg_fn=_unexpected_type_warning)
+
+    def _wrap_outputs(self, module, args, output):
+        if not torch.is_grad_enabled():
+            return None
+
+        def wrap(tensor):
+            if not tensor.requires_grad:
+                return tensor
+            return PreBackwardHook.apply(self, module, tensor)
+
+        return apply_to_tensors_only(wrap, output, warning_msg_fn=_unexpected_type_warning)
+
+    def pre_backward(self, module):
+        self.coordinator.fetch_sub_module(module, forward=False)
+
+    def input_grad_done(self, module):
+        if self.coordinator.input_grad_arrived(module):
+            self.coordinator.release_sub_module(module, forward=False)
+
+
+def _tensors_of(output):
+    if output is None:
+        return []
+    if torch.is_tensor(output):
+        return [output]
+    if isinstance(output, (list, tuple)):
+        return list(output)
+    mapping = output if isinstance(output, dict) else getattr(output, "__dict__", {})
+    return [v for k, v in mapping.items() if not str(k).startswith("__") and torch.is_tensor(v)]

@@ -1,0 +1,82 @@
+"""``module._parameters`` replacement that gathers a parameter read outside its own module's forward.
+
+A parameter read during a forward while partitioned belongs to another module
+(a tied embedding read by the LM head, say). It is gathered on the spot and
+registered as an external parameter of the module now running, so that from the
+next pass on that module's fetch covers it.
+"""
+
+from collections import OrderedDict
+
+import torch
+
+from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus, register_external_parameter
+
+# Modules whose forward is running, innermost last. The engine's root is at the bottom.
+FWD_MODULE_STACK = []
+
+
+class ZeROOrderedDict(OrderedDict):
+
+    def __init__(self, parent_module, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._parent_module = parent_module
+        self._in_forward = False
+
+    def __reduce__(self):
+        constructor, _, *rest = super().__reduce__()
+        return (constructor, (self._parent_module, )) + tuple(rest)
+
+    def __getitem__(self, key):
+        param = super().__getitem__(key)
+        if param is None or torch.compiler.is_compiling() or not hasattr(param, "ds_status"):
+            return param
+        # The engine flips _in_forward on every module's dict around its forward.
+        if not self._parent_module._parameters._in_forward:
+            return param
+
+        # DeepCompile's eager fallback tracks parameter reads itself (imported lazily: it pulls in compile).
+        from deepspeed.compile.z3_eager_fallback import get_active_z3_eager_fallback, is_dynamo_guard_evaluation
+        fallback = get_active_z3_eager_fallback()
+        if fallback is not None and param.ds_status == ZeroParamStatus.AVAILABLE and not is_dynamo_guard_evaluation():
+            fallback.record_param_access(param)
+
+        if param.ds_status == ZeroParamStatus.NOT_AVAILABLE:
+            if fallback is None:
+                if FWD_MODULE_STACK:
+                    register_external_parameter(FWD_MODULE_STACK[-1], param)
+                param.all_gather()
+            elif is_dynamo_guard_evaluation():
+                # A guard reads identity and metadata only; gathering would hold a full buffer for nothing.
+                fallback.record_guard_suppressed_param(param)
+            else:
+                param.all_gather()
+                fallback.record_gathered_param(param)
+        return param
+
+
+def _wrap_parameters(module):
+    wrapped = ZeROOrderedDict(parent_module=module)
+    for key, param in module._parameters.items():
+        wrapped[key] = param
+    return wrapped
+
+
+def inject_zero_ordered_dicts(root):
+    """Give every module of ``root`` a ZeROOrderedDict, keeping the original container for un-injection."""
+    for module in root.modules():
+        ensure_zero_ordered_dict(module)
+
+
+def ensure_zero_ordered_dict(module):
+    """Wrap ``module._parameters`` in a ZeROOrderedDict unless it already is one (idempotent).
+
+    torch >= 2.5 makes ``_parameters`` a plain dict, which cannot carry ``_in_forward``; modules
+    attached after ``deepspeed.initialize`` still need the wrapper before the engine's forward.
+    """
+    params = getattr(module, "_parameters", None)
+    if isinstance(params, ZeROOrderedDict) or not isinstance(params, dict):
+        return
+    if not hasattr(module, "_original_parameters"):
+        module._original_parameters = params
+    module._parameters = _wrap_parameters(module)

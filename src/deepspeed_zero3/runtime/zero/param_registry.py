@@ -1,0 +1,156 @@
+"""State that belongs to a model's sharded parameters, shared by every engine over that model.
+
+[Note: sharing one module tree]
+Lightning's ``trainer.validate(model)`` then ``trainer.fit(model)`` builds two
+engines over the same module, each time around a new wrapper. Upstream gives
+each engine its own hooks, coordinator and in-flight registry over the same
+parameters, and numbers the modules again, so the first engine's hooks and
+trace then disagree with the parameters' state (``status: INFLIGHT``, or
+``pop from an empty deque``). Here the hooks, the coordinator (traces,
+prefetchers, in-flight handles, counters) and the module numbering live in one
+``ParamStateRegistry``, reachable from every module of the tree. A new engine
+finds it from any module it wraps and joins it: modules it already manages keep
+their ``ds_id`` and hooks, new ones (the wrapper) get fresh ids and hooks, and a
+new root gets pass-boundary hooks. Engines are owners held by weak reference;
+``destroy()`` or garbage collection drops one, and the last one gone removes
+every hook.
+
+Rules for settings that may differ between owners: the prefetch settings
+(bucket, live-parameter cap, reuse distance) of the most recently joined live
+owner apply. Settings fixed when the parameters were converted (data-parallel
+group, dtype, persistence thresholds) must match, or ``initialize`` fails naming
+both values.
+"""
+
+import weakref
+from typing import Dict, List, Optional
+
+from torch.nn import Module
+from torch.utils.hooks import RemovableHandle
+
+from deepspeed.utils import z3_leaf_module
+from deepspeed.utils.logging import logger
+
+from deepspeed_zero3.runtime.zero.hooks import HookRouter, handle_is_live
+from deepspeed_zero3.runtime.zero.settings import PrefetchSettings
+
+REGISTRY_ATTR = "_zero3_registry"
+
+
+def find_registry(module: Module) -> Optional["ParamStateRegistry"]:
+    """The registry managing ``module`` or any module inside it, if there is one."""
+    for candidate in module.modules():
+        registry = candidate.__dict__.get(REGISTRY_ATTR)
+        if registry is not None and registry.alive:
+            return registry
+    return None
+
+
+class ParamStateRegistry:
+    """Hooks, coordinator and owners of one managed module tree."""
+
+    def __init__(self, coordinator, fixed_settings: Dict[str, object]):
+        self.coordinator = coordinator
+        self.router = HookRouter(coordinator)
+        self.fixed_settings = dict(fixed_settings)
+        self.alive = True
+        self.next_ds_id = 0
+        self.module_hooks: Dict[Module, List[RemovableHandle]] = {}
+        self.root_hooks: Dict[Module, List[RemovableHandle]] = {}
+        # (weak owner, its prefetch settings), in joining order.
+        self.owners: List = []
+
+    # ---------------------------------------------------------------- the module tree
+
+    def adopt_tree(self, root: Module) -> None:
+        """Number and hook every module under ``root`` not yet managed; (re)hook ``root`` as a pass root.
+
+        Numbering is a pre-order walk that stops at z3 leaf modules, as upstream numbers, so a single
+        engine's ds_ids equal upstream's. Idempotent: hooks removed by someone else are put back.
+        """
+        stack = [root]
+        while stack:
+            module = stack.pop()
+            if module.__dict__.get(REGISTRY_ATTR) is not self:
+                module.ds_id = self.next_ds_id
+                self.next_ds_id += 1
+                module.__dict__[REGISTRY_ATTR] = self
+            if module.__dict__.get("ds_recompute_parameters") is None:
+                module.ds_recompute_parameters = set()
+            if not all(handle_is_live(h) for h in self.module_hooks.get(module, [])) or module not in self.module_hooks:
+                for handle in self.module_hooks.get(module, []):
+                    handle.remove()
+                self.module_hooks[module] = self.router.install_module_hooks(module)
+            if z3_leaf_module(module):
+                for param in module.parameters():
+                    param.ds_z3_leaf_module = module
+            else:
+                stack.extend(reversed(list(module.children())))
+        handles = self.root_hooks.get(root, [])
+        if not handles or not all(handle_is_live(h) for h in handles):
+            for handle in handles:
+                handle.remove()
+            self.root_hooks[root] = self.router.install_root_hooks(root)
+
+    def hook_count(self) -> int:
+        """Live hooks installed by this registry (tests count them)."""
+        return sum(handle_is_live(h) for hs in list(self.module_hooks.values()) + list(self.root_hooks.values())
+                   for h in hs)
+
+    def handles(self) -> List[RemovableHandle]:
+        return [h for hs in list(self.module_hooks.values()) + list(self.root_hooks.values()) for h in hs]
+
+    def remove_all_hooks(self) -> None:
+        for handle in self.handles():
+            handle.remove()
+        self.module_hooks.clear()
+        self.root_hooks.clear()
+
+    # ---------------------------------------------------------------- owners
+
+    def check_fixed_settings(self, fixed_settings: Dict[str, object]) -> None:
+        for key, value in fixed_settings.items():
+            mine = self.fixed_settings.get(key)
+            if mine != value:
+                raise ValueError(f"deepspeed-zero3: this module is already managed by another engine with {key}={mine!r}; "
+                                 f"the new engine asks for {key}={value!r}. {key} is fixed once parameters are "
+                                 f"partitioned, so every engine over one module must use the same value "
+                                 f"(or destroy() the other engine first).")
+
+    def add_owner(self, owner, settings: PrefetchSettings) -> None:
+        self.owners.append((weakref.ref(owner, self._owner_collected), settings))
+        self.coordinator.apply_settings(settings)
+        if len(self.owners) > 1:
+            logger.info(f"deepspeed-zero3: engine joined the parameter registry of an already-managed module "
+                        f"({len(self.owners)} owners)")
+
+    def live_owners(self) -> List:
+        return [ref() for ref, _ in self.owners if ref() is not None]
+
+    def drop_owner(self, owner) -> None:
+        self.owners = [(ref, s) for ref, s in self.owners if ref() is not None and ref() is not owner]
+        self._after_owner_change()
+
+    def _owner_collected(self, ref) -> None:
+        self.owners = [(r, s) for r, s in self.owners if r is not ref and r() is not None]
+        self._after_owner_change()
+
+    def _after_owner_change(self) -> None:
+        if not self.alive:
+            return
+        if self.owners:
+            self.coordinator.apply_settings(self.owners[-1][1])
+            return
+        self.close()
+
+    def close(self) -> None:
+        """No owner left: release everything gathered, remove every hook, forget the tree."""
+        self.alive = False
+        try:
+            self.coordinator.reset_step()
+        finally:
+            modules = list(self.module_hooks) + list(self.root_hooks)
+            self.remove_all_hooks()
+            for module in modules:
+                if module.__dict__.get(REGISTRY_ATTR) is self:
+                    del module.__dict__[REGISTRY_ATTR]

@@ -1,0 +1,249 @@
+"""ZeRO-3 parameter management for one engine (served as upstream's
+``deepspeed.runtime.zero.parameter_offload``).
+
+``DeepSpeedZeRoOffload`` converts the module's parameters to ZeRO parameters,
+then joins (or creates) the module tree's ``ParamStateRegistry``, which owns the
+hooks and the coordinator. Several engines over one module share that state
+([Note: sharing one module tree] in ``param_registry.py``).
+"""
+
+import sys
+
+import torch
+
+from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
+from deepspeed.runtime.zero.partition_parameters import Init, _init_external_params
+from deepspeed.runtime.zero.utils import is_zero_param
+from deepspeed.accelerator import get_accelerator
+
+from deepspeed_zero3.runtime.zero.gather import InflightParamRegistry
+from deepspeed_zero3.runtime.zero.ordered_dict import (FWD_MODULE_STACK, ZeROOrderedDict, ensure_zero_ordered_dict,
+                                                       inject_zero_ordered_dicts)
+from deepspeed_zero3.runtime.zero.param_registry import ParamStateRegistry, find_registry
+from deepspeed_zero3.runtime.zero.partitioned_param_coordinator import (NVME_NOT_SUPPORTED,
+                                                                        PartitionedParameterCoordinator)
+from deepspeed_zero3.runtime.zero.settings import PrefetchSettings
+
+__all__ = ["DeepSpeedZeRoOffload", "ZeROOrderedDict", "ensure_zero_ordered_dict", "FWD_MODULE_STACK"]
+
+
+def _not_supported(feature: str) -> NotImplementedError:
+    return NotImplementedError(f"{feature} is not supported by deepspeed-zero3 yet; set DEEPSPEED_ZERO3=0 to run "
+                               f"upstream's ZeRO-3 runtime for this job")
+
+
+class DeepSpeedZeRoOffload:
+    """Upstream's constructor signature and attributes; the hooks and coordinator come from the registry."""
+
+    def __init__(
+        self,
+        module,
+        timers,
+        ds_config,
+        zenflow=False,
+        overlap_comm=True,
+        prefetch_bucket_size=50000000,
+        max_reuse_distance=1000000000,
+        max_live_parameters=1000000000,
+        param_persistence_threshold=100000,
+        model_persistence_threshold=sys.maxsize,
+        dp_process_group=None,
+        offload_param_config=None,
+        mpu=None,
+        zero_param_parallel_group=None,
+        zero_quantized_weights=False,
+        zero_quantized_nontrainable_weights=False,
+        zero_module_granularity_threshold=0,
+        log_trace_cache_warnings=False,
+    ):
+        if zenflow:
+            raise _not_supported("ZenFlow (zero_optimization.zenflow)")
+        if zero_module_granularity_threshold and zero_module_granularity_threshold > 0:
+            raise _not_supported(f"stage3_module_granularity_threshold={zero_module_granularity_threshold}")
+        self.settings = PrefetchSettings.from_config_values(prefetch_bucket_size, max_live_parameters,
+                                                            max_reuse_distance)
+        self.module = module
+        self.timers = timers
+        self.zenflow = zenflow
+        self.dtype = list(module.parameters())[0].dtype
+        self.dp_process_group = dp_process_group
+        self.offload_device = None
+        self.offload_param_pin_memory = False
+        self.zero_param_parallel_group = zero_param_parallel_group
+        self.zero_quantized_weights = zero_quantized_weights
+        self.zero_quantized_nontrainable_weights = zero_quantized_nontrainable_weights
+        self.log_trace_cache_warnings = log_trace_cache_warnings
+        self.fast_sharding_for_leaf_module = False
+        if offload_param_config is not None and offload_param_config.device != OffloadDeviceEnum.none:
+            if offload_param_config.device == OffloadDeviceEnum.nvme:
+                raise NotImplementedError(NVME_NOT_SUPPORTED)
+            self.offload_device = offload_param_config.device
+            self.offload_param_pin_memory = offload_param_config.pin_memory
+
+        self.param_numel_persistence_threshold = int(param_persistence_threshold)
+        self.model_persistence_threshold = int(model_persistence_threshold)
+        self._prefetch_bucket_sz = self.settings.bucket_numel
+        self._max_reuse_distance_in_numel = self.settings.max_reuse_numel
+        self._max_available_parameters_in_numel = self.settings.max_live_numel
+
+        registry = find_registry(module)
+        fixed = self._fixed_settings()
+        if registry is not None:
+            registry.check_fixed_settings(fixed)
+
+        self._convert_to_zero_parameters(ds_config, module, mpu)
+        for submodule in module.modules():
+            _init_external_params(submodule)
+        inject_zero_ordered_dicts(module)
+        self.persistent_parameters = self.mark_persistent_parameters(self.param_numel_persistence_threshold,
+                                                                     self.model_persistence_threshold)
+
+        if registry is None:
+            coordinator = PartitionedParameterCoordinator(
+                prefetch_bucket_sz=self.settings.bucket_numel,
+                max_reuse_distance_in_numel=self.settings.max_reuse_numel,
+                max_available_parameters_in_numel=self.settings.max_live_numel,
+                allgather_stream=self._make_allgather_stream(overlap_comm),
+                inflight_param_registry=InflightParamRegistry(),
+                timers=timers,
+                zero_quantized_weights=zero_quantized_weights,
+                zero_quantized_nontrainable_weights=zero_quantized_nontrainable_weights,
+                log_trace_cache_warnings=log_trace_cache_warnings,
+            )
+            registry = ParamStateRegistry(coordinator, fixed)
+        self.registry = registry
+        self.param_coordinator = registry.coordinator
+        # Upstream keeps the in-flight registry on the module; callers may look for it there.
+        module.ds_inflight_param_registry = registry.coordinator.inflight
+        self.setup_zero_stage3_hooks()
+        registry.add_owner(self, self.settings)
+
+    # ---------------------------------------------------------------- construction helpers
+
+    def _fixed_settings(self):
+        group = self.dp_process_group
+        return {
+            "data-parallel group": None if group is None else id(group),
+            "dtype": self.dtype,
+            "stage3_param_persistence_threshold": int(self.param_numel_persistence_threshold),
+            "stage3_model_persistence_threshold": int(self.model_persistence_threshold),
+        }
+
+    @staticmethod
+    def _make_allgather_stream(overlap_comm):
+        accelerator = get_accelerator()
+        if accelerator.is_synchronized_device():
+            return None
+        return accelerator.Stream() if overlap_comm else accelerator.default_stream()
+
+    def _convert_to_zero_parameters(self, ds_config, module, mpu):
+        plain = [p for p in module.parameters() if not is_zero_param(p)]
+        if not plain:
+            return
+        converted = [p for p in module.parameters() if is_zero_param(p)]
+        if converted:
+            converted[0].convert_to_zero_parameters(param_list=plain)
+            return
+        group = None
+        if mpu is not None and hasattr(mpu, "get_data_parallel_group"):
+            group = mpu.get_data_parallel_group()
+        Init(module=module,
+             data_parallel_group=group,
+             dtype=self.dtype,
+             config_dict_or_path=ds_config,
+             remote_device=self.offload_device,
+             pin_memory=self.offload_param_pin_memory,
+             mpu=mpu,
+             zero_param_parallel_group=self.zero_param_parallel_group,
+             zero_quantized_weights=self.zero_quantized_weights,
+             zero_quantized_nontrainable_weights=self.zero_quantized_nontrainable_weights)
+
+    def mark_persistent_parameters(self, param_threshold, model_threshold):
+        """Small parameters stay gathered: each up to ``param_threshold`` numel, all of them up to ``model_threshold``."""
+        persistent = []
+        total = 0
+        for _, param in self.module.named_parameters(recurse=True):
+            if param.ds_numel + total > model_threshold:
+                continue
+            if param.ds_numel <= param_threshold:
+                param.ds_persist = True
+                persistent.append(param)
+                total += param.ds_numel
+        return persistent
+
+    # ---------------------------------------------------------------- hooks (owned by the registry)
+
+    def setup_zero_stage3_hooks(self):
+        self.hierarchy = 0
+        self._register_deepspeed_module(self.module)
+
+    def _register_deepspeed_module(self, module, count=None):
+        """Hook ``module``'s tree (idempotent: puts back hooks that were removed, e.g. for generation)."""
+        self.registry.adopt_tree(module)
+
+    @property
+    def forward_hooks(self):
+        return [h for hs in self.registry.module_hooks.values() for h in hs[:2]]
+
+    @forward_hooks.setter
+    def forward_hooks(self, handles):
+        # Upstream callers empty this list after removing the hooks themselves; nothing to keep.
+        pass
+
+    @property
+    def backward_hooks(self):
+        return [h for hs in self.registry.module_hooks.values() for h in hs[2:]]
+
+    @backward_hooks.setter
+    def backward_hooks(self, handles):
+        pass
+
+    @property
+    def fwd_pre_hook(self):
+        return self.registry.root_hooks.get(self.module, [None])[0]
+
+    def _remove_module_hooks(self):
+        """Remove every ZeRO-3 hook of the module tree (DeepCompile takes over the fetching)."""
+        self.registry.remove_all_hooks()
+
+    def destroy(self):
+        """Drop this engine's ownership; the last owner's destroy removes the hooks."""
+        registry = self.__dict__.get("registry")
+        if registry is not None:
+            registry.drop_owner(self)
+
+    # ---------------------------------------------------------------- upstream's entry points
+
+    def get_param_coordinator(self):
+        return self.param_coordinator
+
+    @torch.no_grad()
+    def partition_all_parameters(self):
+        """Release every gathered parameter of the module (stage 3 calls this in step())."""
+        self.param_coordinator.release_and_reset_all(self.module)
+
+    def release_backward_leftovers(self):
+        """End of engine.backward(): close the backward pass."""
+        self.param_coordinator.release_backward_leftovers()
+
+    def empty_partition_cache(self):
+        self.partition_all_parameters()
+
+    @torch.no_grad()
+    def pre_sub_module_forward_function(self, sub_module):
+        FWD_MODULE_STACK.append(sub_module)
+        self.param_coordinator.fetch_sub_module(sub_module, forward=True)
+
+    @torch.no_grad()
+    def post_sub_module_forward_function(self, sub_module):
+        if FWD_MODULE_STACK and FWD_MODULE_STACK[-1] is sub_module:
+            FWD_MODULE_STACK.pop()
+        self.param_coordinator.release_sub_module(sub_module, forward=True)
+
+    @torch.no_grad()
+    def pre_sub_module_backward_function(self, sub_module):
+        self.param_coordinator.fetch_sub_module(sub_module, forward=False)
+
+    @torch.no_grad()
+    def post_sub_module_backward_function(self, sub_module):
+        self.param_coordinator.release_sub_module(sub_module, forward=False)

@@ -1,0 +1,118 @@
+"""A prefetcher walks one pass's trace ahead of execution.
+
+[Note: one prefetcher per pass]
+Upstream keeps one trace for forward+backward and one prefetch queue over it,
+so the forward prefetcher walks on into the backward part of the trace, and
+parameters it walks past are held gathered until their backward use. In steady
+state that fills gathered memory up to ``stage3_max_live_parameters``
+(by default, the whole model). Here a prefetcher is bound to the trace of the
+pass it was created for and dies with that pass: the forward prefetcher stops
+at the end of the forward trace, and the backward prefetcher is created when
+backward starts and primed at once, so the first backward module finds its
+parameters in flight.
+
+[Note: the prefetch window]
+``outstanding`` holds the parameters this prefetcher gathered for a step that
+execution has not reached yet. Its numel is the window, and the window never
+grows past ``stage3_prefetch_bucket_size`` (plus the one parameter that crosses
+the line, as upstream's loop allows). ``stage3_max_live_parameters`` caps it
+further against everything gathered. Upstream instead adds a full bucket at
+every module on top of what is already prefetched, which is how it climbs to
+the live-parameter cap.
+
+[Note: claims]
+When the walk passes a use of a parameter that is already gathered (in use
+now, or kept by the reuse distance), it does not gather it again; it records a
+claim on that later step instead, and the release after the current use keeps
+the parameter for the claimed step. Without the claim that later use would be
+a demand fetch, because the cursor is already past it.
+"""
+
+from typing import Callable, Dict, List
+
+from torch.nn import Parameter
+
+from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+from deepspeed_zero3.runtime.zero.trace import PassTrace
+
+
+class PassPrefetcher:
+    """Prefetch planning over one pass's trace. Pure bookkeeping: the coordinator issues the gathers."""
+
+    def __init__(self, role: str, trace: PassTrace, bucket_numel: int):
+        self.role = role  # "forward" or "backward": a label for logs and tests
+        self.trace = trace
+        self.bucket_numel = bucket_numel
+        self.cursor = 0  # index into trace.param_uses of the first use not yet walked
+        self.outstanding: Dict[Parameter, int] = {}  # gathered by us -> the step it was gathered for
+        self.claims: Dict[Parameter, int] = {}  # param -> latest future step the walk assigned to it
+
+    @property
+    def outstanding_numel(self) -> int:
+        return sum(p.ds_numel for p in self.outstanding)
+
+    def rebase(self, trace: PassTrace, step: int) -> List[Parameter]:
+        """The pass moved to another cached trace at ``step``: walk that one from here.
+
+        Returns the prefetched parameters the new trace does not use again; the caller releases them.
+        """
+        self.trace = trace
+        self.cursor = 0
+        self._skip_through(step)
+        # Claims name steps of the old trace: drop them, and retarget what was gathered ahead.
+        self.claims.clear()
+        stale = []
+        for param in list(self.outstanding):
+            target = trace.next_use(param, step - 1)
+            if target is None:
+                stale.append(param)
+                del self.outstanding[param]
+            else:
+                self.outstanding[param] = target
+                self.claims[param] = target
+        return stale
+
+    def _skip_through(self, step: int) -> None:
+        uses = self.trace.param_uses
+        while self.cursor < len(uses) and uses[self.cursor][1] <= step:
+            self.cursor += 1
+
+    def reached(self, step: int) -> None:
+        """Execution is at ``step``: what was gathered for it is in use, not ahead of use any more."""
+        self._skip_through(step)
+        for param in [p for p, target in self.outstanding.items() if target <= step]:
+            del self.outstanding[param]
+
+    def holds(self, param: Parameter, step: int) -> bool:
+        """Whether the walk assigned ``param`` to a step after ``step`` (so it must stay gathered)."""
+        return self.claims.get(param, -1) > step
+
+    def adopt(self, param: Parameter) -> None:
+        """A claimed parameter was kept at release: count it in the window until its claimed step."""
+        self.outstanding[param] = self.claims[param]
+
+    def forget(self, param: Parameter) -> None:
+        """``param`` was released by someone else: it is no longer ahead of use."""
+        self.outstanding.pop(param, None)
+        self.claims.pop(param, None)
+
+    def plan(self, live_numel: int, max_live_numel: int, is_persistent: Callable[[Parameter], bool]) -> List[Parameter]:
+        """Parameters to gather now, in trace order, within the window and the live cap."""
+        budget = min(self.bucket_numel - self.outstanding_numel, max_live_numel - live_numel)
+        chosen: List[Parameter] = []
+        chosen_numel = 0
+        uses = self.trace.param_uses
+        while self.cursor < len(uses) and chosen_numel < budget:
+            param, step = uses[self.cursor]
+            if param.ds_status != ZeroParamStatus.NOT_AVAILABLE or param in self.outstanding:
+                if not is_persistent(param):
+                    self.claims[param] = max(self.claims.get(param, -1), step)
+                self.cursor += 1
+                continue
+            self.cursor += 1
+            chosen.append(param)
+            chosen_numel += param.ds_numel
+            self.outstanding[param] = step
+            self.claims[param] = max(self.claims.get(param, -1), step)
+        return chosen

@@ -1,0 +1,135 @@
+"""Per-pass counters of the ZeRO-3 parameter runtime.
+
+Every number here is a count, not a timing, so it repeats exactly from run to
+run and tests assert it exactly. The counters are updated by the coordinator
+as it gathers and releases; nothing here issues a collective.
+"""
+
+import collections
+import enum
+from dataclasses import asdict, dataclass, field
+from typing import Deque, Dict, List, Optional
+
+
+class PassKind(enum.Enum):
+    """What kind of pass is running, decided by grad mode and autograd, never by ``nn.Module.training``."""
+    FORWARD = "forward"  # forward with grad enabled: a backward may follow
+    EVAL_FORWARD = "eval_forward"  # forward with grad disabled
+    BACKWARD = "backward"  # everything the autograd engine runs, recomputation included
+
+
+@dataclass
+class PassStats:
+    kind: str
+    index: int  # the how-many-th pass of this runtime this was
+    allgather_calls: int = 0
+    allgather_numel: int = 0
+    demand_numel: int = 0  # gathered when the module needed it: not prefetched in time
+    prefetch_numel: int = 0  # gathered ahead of use by a prefetcher
+    peak_live_numel: int = 0  # gathered non-persistent numel, maximum over the pass
+    trace_records: int = 0  # 1 when this pass recorded a new trace
+    trace_mismatches: int = 0  # 1 when this pass left the trace it replayed with no cached trace to switch to
+    trace_switches: int = 0  # times this pass moved to another cached trace that matched what ran
+    aborted: bool = False  # the pass ended without its closing hook (exception, abandoned step)
+
+    def as_dict(self):
+        return asdict(self)
+
+
+@dataclass
+class KindTotals:
+    passes: int = 0
+    allgather_calls: int = 0
+    allgather_numel: int = 0
+    demand_numel: int = 0
+    prefetch_numel: int = 0
+    peak_live_numel: int = 0
+    trace_records: int = 0
+    trace_mismatches: int = 0
+    trace_switches: int = 0
+
+    def add(self, stats: PassStats):
+        self.passes += 1
+        self.allgather_calls += stats.allgather_calls
+        self.allgather_numel += stats.allgather_numel
+        self.demand_numel += stats.demand_numel
+        self.prefetch_numel += stats.prefetch_numel
+        self.peak_live_numel = max(self.peak_live_numel, stats.peak_live_numel)
+        self.trace_records += stats.trace_records
+        self.trace_mismatches += stats.trace_mismatches
+        self.trace_switches += stats.trace_switches
+
+
+@dataclass
+class ZeroStats:
+    """Counters for one parameter-state registry (one managed model)."""
+    history_len: int = 64
+    live_numel: int = 0
+    passes_started: int = 0
+    current: Optional[PassStats] = None
+    history: Deque[PassStats] = field(default_factory=collections.deque)
+    totals: Dict[str, KindTotals] = field(default_factory=dict)
+    # gathers that happen outside any pass (GatheredParameters-free paths such as a hook-less fetch)
+    outside_pass: PassStats = field(default_factory=lambda: PassStats(kind="outside_pass", index=-1))
+
+    def begin_pass(self, kind: PassKind) -> PassStats:
+        self.current = PassStats(kind=kind.value, index=self.passes_started)
+        self.passes_started += 1
+        self.current.peak_live_numel = self.live_numel
+        return self.current
+
+    def end_pass(self, aborted: bool = False) -> Optional[PassStats]:
+        finished = self.current
+        if finished is None:
+            return None
+        finished.aborted = aborted
+        self.history.append(finished)
+        while len(self.history) > self.history_len:
+            self.history.popleft()
+        self.totals.setdefault(finished.kind, KindTotals()).add(finished)
+        self.current = None
+        return finished
+
+    def _target(self) -> PassStats:
+        return self.current if self.current is not None else self.outside_pass
+
+    def on_allgather(self, numel: int, prefetch: bool) -> None:
+        target = self._target()
+        target.allgather_calls += 1
+        target.allgather_numel += numel
+        if prefetch:
+            target.prefetch_numel += numel
+        else:
+            target.demand_numel += numel
+
+    def on_live_change(self, delta: int) -> None:
+        self.live_numel += delta
+        target = self._target()
+        if self.live_numel > target.peak_live_numel:
+            target.peak_live_numel = self.live_numel
+
+    def reset(self) -> None:
+        self.history.clear()
+        self.totals.clear()
+        self.outside_pass = PassStats(kind="outside_pass", index=-1)
+        if self.current is not None:
+            self.current = PassStats(kind=self.current.kind, index=self.current.index)
+            self.current.peak_live_numel = self.live_numel
+
+    def last(self, kind: str) -> Optional[PassStats]:
+        for stats in reversed(self.history):
+            if stats.kind == kind:
+                return stats
+        return None
+
+    def snapshot(self) -> dict:
+        return {
+            "live_numel": self.live_numel,
+            "passes": [s.as_dict() for s in self.history],
+            "totals": {kind: asdict(t) for kind, t in self.totals.items()},
+            "outside_pass": self.outside_pass.as_dict(),
+        }
+
+
+def passes_of(history: List[PassStats], kind: PassKind) -> List[PassStats]:
+    return [s for s in history if s.kind == kind.value]

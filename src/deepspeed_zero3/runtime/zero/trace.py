@@ -1,0 +1,173 @@
+"""Recorded module order of one pass, and a small cache of them.
+
+[Note: trace selection]
+A pass is identified by what actually runs, never by ``nn.Module.training``.
+Its kind (forward with grad, forward without grad, backward) picks a cache
+bucket; inside the bucket the most recently used trace is replayed first. The
+order observed so far is checked against it at every module; at the first
+difference the cache is searched, most recent first, for a trace whose prefix
+equals everything observed, and the pass switches to it. If none fits, the pass
+finishes by recording (on-demand fetches only) and the observed order becomes a
+new cache entry when the pass ends normally.
+
+Every input to that choice (the pass kind, the observed module order, the
+cache contents and their recency) is the same on every rank as long as the
+ranks run the same modules, so the ranks make the same choice and issue the
+same collectives. Ranks that run different modules are checked when a trace is
+recorded (see ``coordinator.verify_same_order_on_all_ranks``).
+"""
+
+import bisect
+import enum
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from torch.nn import Module, Parameter
+
+from deepspeed_zero3.runtime.zero.module_params import fetch_params
+from deepspeed_zero3.runtime.zero.stats import PassKind
+
+
+class PassTrace:
+    """The module order of one completed pass and the parameter uses derived from it (immutable)."""
+
+    def __init__(self, kind: PassKind, modules: Sequence[Module]):
+        self.kind = kind
+        self.modules: Tuple[Module, ...] = tuple(modules)
+        self.module_ids: Tuple[int, ...] = tuple(m.ds_id for m in self.modules)
+        # Parameters are read when the pass has ended, so external parameters discovered
+        # during the pass are included, as they will be when it is replayed.
+        self.step_params: Tuple[Tuple[Parameter, ...], ...] = tuple(tuple(fetch_params(m)) for m in self.modules)
+        self.param_uses: Tuple[Tuple[Parameter, int], ...] = tuple(
+            (param, step) for step, params in enumerate(self.step_params) for param in params)
+        step_numel = [sum(p.ds_numel for p in params) for params in self.step_params]
+        self.cumulative_numel: List[int] = [0]
+        for numel in step_numel:
+            self.cumulative_numel.append(self.cumulative_numel[-1] + numel)
+        self.use_steps: Dict[Parameter, List[int]] = {}
+        for param, step in self.param_uses:
+            steps = self.use_steps.setdefault(param, [])
+            if not steps or steps[-1] != step:
+                steps.append(step)
+        # Set by the coordinator: the backward trace that last followed this forward trace.
+        self.next_backward: Optional["PassTrace"] = None
+
+    def __len__(self):
+        return len(self.modules)
+
+    @property
+    def total_numel(self) -> int:
+        return self.cumulative_numel[-1]
+
+    def starts_with(self, observed_ids: Sequence[int]) -> bool:
+        return len(observed_ids) <= len(self.module_ids) and tuple(
+            self.module_ids[:len(observed_ids)]) == tuple(observed_ids)
+
+    def next_use(self, param: Parameter, after_step: int) -> Optional[int]:
+        """First step > ``after_step`` that uses ``param``, or None."""
+        steps = self.use_steps.get(param)
+        if not steps:
+            return None
+        index = bisect.bisect_right(steps, after_step)
+        return steps[index] if index < len(steps) else None
+
+    def numel_between(self, start_step: int, stop_step: int) -> int:
+        """Numel fetched by steps start_step .. stop_step-1 (the reuse distance between two uses)."""
+        start_step = max(0, min(start_step, len(self)))
+        stop_step = max(start_step, min(stop_step, len(self)))
+        return self.cumulative_numel[stop_step] - self.cumulative_numel[start_step]
+
+    def describe(self) -> str:
+        return f"{self.kind.value} trace of {len(self)} modules, {self.total_numel} numel"
+
+
+class TraceCache:
+    """A few traces per pass kind, most recently used first. Bounded, so it cannot grow with step count."""
+
+    def __init__(self, capacity_per_kind: int = 8):
+        if capacity_per_kind < 1:
+            raise ValueError(f"trace cache capacity must be >= 1, got {capacity_per_kind}")
+        self.capacity_per_kind = capacity_per_kind
+        self.traces: Dict[PassKind, List[PassTrace]] = {kind: [] for kind in PassKind}
+
+    def most_recent(self, kind: PassKind) -> Optional[PassTrace]:
+        bucket = self.traces[kind]
+        return bucket[0] if bucket else None
+
+    def find(self, kind: PassKind, observed_ids: Sequence[int], exact: bool = False) -> Optional[PassTrace]:
+        for trace in self.traces[kind]:
+            if exact and trace.module_ids == tuple(observed_ids):
+                return trace
+            if not exact and trace.starts_with(observed_ids):
+                return trace
+        return None
+
+    def touch(self, trace: PassTrace) -> None:
+        bucket = self.traces[trace.kind]
+        if trace in bucket:
+            bucket.remove(trace)
+        bucket.insert(0, trace)
+        del bucket[self.capacity_per_kind:]
+
+    def add(self, trace: PassTrace) -> None:
+        self.touch(trace)
+
+    def clear(self) -> None:
+        for bucket in self.traces.values():
+            bucket.clear()
+
+    def __len__(self):
+        return sum(len(bucket) for bucket in self.traces.values())
+
+
+class ReplayState(enum.Enum):
+    REPLAYING = "replaying"  # following a cached trace: prefetch and reuse decisions use it
+    RECORDING = "recording"  # no cached trace fits what runs: fetch on demand, record the order
+
+
+class StepOutcome(enum.Enum):
+    MATCHED = "matched"
+    SWITCHED = "switched"  # moved to another cached trace
+    DIVERGED = "diverged"  # left the trace, nothing in the cache fits: recording from here on
+    RECORDING = "recording"
+
+
+class PassProgress:
+    """Where one running pass stands against its trace."""
+
+    def __init__(self, kind: PassKind, cache: TraceCache, first_guess: Optional[PassTrace]):
+        self.kind = kind
+        self.cache = cache
+        self.trace = first_guess
+        self.state = ReplayState.REPLAYING if first_guess is not None else ReplayState.RECORDING
+        self.observed: List[Module] = []
+        self.observed_ids: List[int] = []
+
+    @property
+    def step(self) -> int:
+        """Index of the module most recently observed (-1 before the first)."""
+        return len(self.observed) - 1
+
+    def observe(self, module: Module) -> StepOutcome:
+        self.observed.append(module)
+        self.observed_ids.append(module.ds_id)
+        if self.state is ReplayState.RECORDING:
+            return StepOutcome.RECORDING
+        step = self.step
+        if step < len(self.trace) and self.trace.modules[step] is module:
+            return StepOutcome.MATCHED
+        replacement = self.cache.find(self.kind, self.observed_ids)
+        if replacement is not None and all(a is b for a, b in zip(replacement.modules, self.observed)):
+            self.trace = replacement
+            return StepOutcome.SWITCHED
+        self.trace = None
+        self.state = ReplayState.RECORDING
+        return StepOutcome.DIVERGED
+
+    def replaying(self) -> bool:
+        return self.state is ReplayState.REPLAYING
+
+    def completed_trace(self) -> Optional[PassTrace]:
+        """The trace this pass followed exactly, if it ran exactly a cached trace."""
+        if self.state is ReplayState.REPLAYING and len(self.observed) == len(self.trace):
+            return self.trace
+        return None
