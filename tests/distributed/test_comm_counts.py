@@ -1,0 +1,140 @@
+"""Exact all-gather counts, demand fetches and peak live numel per pass (FSDP2-style communication counts).
+
+Model A of the baseline (6,312,196 parameters): inp Linear(16,256) = 4,352; 12 blocks of
+up Linear(256,1024) = 263,168 and down Linear(1024,256) = 262,400; head Linear(256,4) = 1,028.
+Two ranks, persistence threshold 0, so every parameter is gathered. Steady state = after the
+first training step and the first eval forward recorded their traces.
+"""
+
+import pytest
+import torch
+
+import deepspeed_zero3
+from deepspeed_zero3.testing.engines import batch, mse_loss, training_engine, zero3_config
+from deepspeed_zero3.testing.instrument import GatherMeter
+from deepspeed_zero3.testing.models import count_params, model_a
+
+MODEL_A = 6_312_196
+UP, DOWN, INP, HEAD = 263_168, 262_400, 4_352, 1_028
+PARAM_MODULES = 26  # inp, 24 block Linears, head
+
+
+def last_passes(engine):
+    stats = deepspeed_zero3.get_zero3_stats(engine)
+    passes = stats["passes"]
+    return {p["kind"]: p for p in passes[-3:]}
+
+
+def run_cycles(engine, cycles, meter=None):
+    """Each cycle: one training step, then one eval forward (no grad)."""
+    for step in range(cycles):
+        x = batch(step, torch.distributed.get_rank())
+        if meter is not None:
+            meter.reset()
+        loss = mse_loss(engine(x))
+        engine.backward(loss)
+        engine.step()
+        engine.eval()
+        with torch.no_grad():
+            engine(x)
+        engine.train()
+
+
+@pytest.fixture
+def model():
+    torch.manual_seed(0)
+    return model_a()
+
+
+def test_model_a_steady_state_bucket_100k(model):
+    engine = training_engine(model, zero3_config(bucket=100_000, reuse=0))
+    assert count_params(engine.module) == MODEL_A
+    run_cycles(engine, 3)
+    passes = last_passes(engine)
+    for kind in ("forward", "backward", "eval_forward"):
+        p = passes[kind]
+        # Each parameter gathered exactly once per pass, all ahead of use.
+        assert p["allgather_numel"] == MODEL_A, kind
+        assert p["demand_numel"] == 0, kind
+        assert p["prefetch_numel"] == MODEL_A, kind
+        # The first gather covers two modules (the first one and the next up to the bucket line), then one per module.
+        assert p["allgather_calls"] == PARAM_MODULES - 1, kind
+        # Module in use (down) + the window, which holds the whole next module that crossed the bucket line (up).
+        assert p["peak_live_numel"] == DOWN + UP, kind
+        assert p["peak_live_numel"] <= UP + 100_000 + 262_144  # largest module + bucket + one parameter
+        assert p["trace_records"] == 0 and p["trace_mismatches"] == 0, kind
+    # Nothing stays gathered between passes.
+    assert deepspeed_zero3.get_zero3_stats(engine)["live_numel"] == 0
+    engine.destroy()
+
+
+def test_outside_instrument_agrees_with_stats(model):
+    """The instrument used for upstream (wrapped deepspeed.comm + ds_status) reads the same numbers."""
+    engine = training_engine(model, zero3_config(bucket=100_000, reuse=0))
+    run_cycles(engine, 2)
+    with GatherMeter(engine.module) as meter:
+        x = batch(9, torch.distributed.get_rank())
+        with meter.phase("forward"):
+            loss = mse_loss(engine(x))
+        with meter.phase("backward"):
+            engine.backward(loss)
+        with meter.phase("step"):
+            engine.step()
+    counts = meter.snapshot()
+    passes = last_passes(engine)
+    for phase in ("forward", "backward"):
+        assert counts[phase]["allgather_calls"] == passes[phase]["allgather_calls"] == PARAM_MODULES - 1
+        assert counts[phase]["allgather_numel"] == passes[phase]["allgather_numel"] == MODEL_A
+        assert counts[phase]["demand_numel"] == 0
+        assert counts[phase]["peak_live_numel"] == passes[phase]["peak_live_numel"] == DOWN + UP
+    assert counts["step"]["allgather_calls"] == 0
+    engine.destroy()
+
+
+def test_bucket_zero_means_no_prefetch(model):
+    engine = training_engine(model, zero3_config(bucket=0, reuse=0))
+    run_cycles(engine, 2)
+    passes = last_passes(engine)
+    for kind in ("forward", "backward", "eval_forward"):
+        p = passes[kind]
+        assert p["allgather_calls"] == PARAM_MODULES, kind
+        assert p["allgather_numel"] == MODEL_A and p["demand_numel"] == MODEL_A and p["prefetch_numel"] == 0, kind
+        assert p["peak_live_numel"] == UP, kind  # one module at a time
+    engine.destroy()
+
+
+def test_live_parameter_cap_bounds_the_window(model):
+    """stage3_max_live_parameters caps prefetching: with 300k the window never adds a second Linear."""
+    engine = training_engine(model, zero3_config(bucket=1_000_000, reuse=0, max_live=300_000))
+    run_cycles(engine, 2)
+    passes = last_passes(engine)
+    for kind in ("forward", "backward", "eval_forward"):
+        p = passes[kind]
+        assert p["allgather_numel"] == MODEL_A, kind
+        # Beyond the module in use, at most one prefetched module is live (the cap is checked before each module).
+        assert p["peak_live_numel"] <= 300_000 + UP, kind
+    engine.destroy()
+
+
+def test_default_reuse_distance_keeps_parameters_for_backward(model):
+    """Upstream's default reuse distance (1e9) keeps what backward reuses: fewer gathers, within the live cap."""
+    engine = training_engine(model, zero3_config(bucket=100_000, reuse=1_000_000_000, max_live=1_000_000_000))
+    run_cycles(engine, 3)
+    passes = last_passes(engine)
+    assert passes["forward"]["allgather_numel"] == MODEL_A
+    assert passes["backward"]["allgather_numel"] == 0  # everything was kept from the forward
+    assert passes["backward"]["demand_numel"] == 0
+    assert passes["forward"]["peak_live_numel"] == MODEL_A  # what the reuse distance deliberately keeps
+    engine.destroy()
+
+
+def test_reuse_distance_respects_live_cap(model):
+    engine = training_engine(model, zero3_config(bucket=100_000, reuse=1_000_000_000, max_live=3_000_000))
+    run_cycles(engine, 3)
+    passes = last_passes(engine)
+    for kind in ("forward", "backward"):
+        assert passes[kind]["peak_live_numel"] <= 3_000_000 + UP, kind
+        assert passes[kind]["demand_numel"] == 0, kind
+    # Less than the whole model is gathered again in backward: what the cap allowed to be kept is reused.
+    assert passes["forward"]["allgather_numel"] + passes["backward"]["allgather_numel"] < 2 * MODEL_A
+    engine.destroy()
