@@ -1,0 +1,120 @@
+"""Trace selection by what runs: alternation, training-only branches and generation loops stop re-recording.
+
+Model B of the baseline (199,876 parameters), bucket 20,000, reuse 0. Upstream 0.19.8 demand-fetches
+34,176 numel in every backward that follows an eval forward (17%); here, after the first cycle,
+no pass demand-fetches and no pass records a trace.
+"""
+
+import torch
+
+import deepspeed_zero3
+from deepspeed_zero3.testing.engines import batch, mse_loss, training_engine, zero3_config
+from deepspeed_zero3.testing.models import model_b, TinyGPT
+
+MODEL_B = 199_876
+AUX = 64 * 64 + 64
+
+
+def passes(engine):
+    return deepspeed_zero3.get_zero3_stats(engine)["passes"]
+
+
+def train_then_eval(engine, step, eval_grad=False):
+    x = batch(step, torch.distributed.get_rank())
+    engine.backward(mse_loss(engine(x)))
+    engine.step()
+    engine.eval()
+    with torch.set_grad_enabled(eval_grad):
+        engine(x)
+    engine.train()
+
+
+def assert_quiet(records, label):
+    for p in records:
+        assert p["demand_numel"] == 0, (label, p)
+        assert p["trace_records"] == 0 and p["trace_mismatches"] == 0, (label, p)
+
+
+def test_train_eval_alternation_stops_recording():
+    torch.manual_seed(0)
+    engine = training_engine(model_b(), zero3_config(bucket=20_000, reuse=0))
+    train_then_eval(engine, 0)
+    first = passes(engine)
+    assert [p["kind"] for p in first] == ["forward", "backward", "eval_forward"]
+    assert [p["trace_records"] for p in first] == [1, 1, 1]
+    deepspeed_zero3.reset_zero3_stats(engine)
+    for step in range(1, 5):
+        train_then_eval(engine, step)
+    later = passes(engine)
+    assert len(later) == 12
+    assert_quiet(later, "alternation")
+    for p in later:
+        assert p["allgather_numel"] == MODEL_B, p  # eval gathers 1.0x, upstream 1.17x
+    engine.destroy()
+
+
+def test_training_only_branch_with_no_grad_eval():
+    torch.manual_seed(0)
+    engine = training_engine(model_b(training_branch=True), zero3_config(bucket=20_000, reuse=0))
+    train_then_eval(engine, 0)
+    deepspeed_zero3.reset_zero3_stats(engine)
+    for step in range(1, 5):
+        train_then_eval(engine, step)
+    later = passes(engine)
+    assert_quiet(later, "branch")
+    by_kind = {p["kind"]: p["allgather_numel"] for p in later}
+    assert by_kind == {"forward": MODEL_B + AUX, "backward": MODEL_B + AUX, "eval_forward": MODEL_B}
+    engine.destroy()
+
+
+def test_training_only_branch_with_grad_enabled_eval_switches_traces():
+    """Eval without no_grad is a forward with grad: two forward traces share a prefix and the cache switches.
+
+    Which one runs cannot be known before the branch (that would need nn.Module.training), so the module at
+    the branch point is fetched on demand once per pass; nothing is re-recorded.
+    """
+    torch.manual_seed(0)
+    engine = training_engine(model_b(training_branch=True), zero3_config(bucket=20_000, reuse=0))
+    train_then_eval(engine, 0, eval_grad=True)
+    train_then_eval(engine, 1, eval_grad=True)
+    deepspeed_zero3.reset_zero3_stats(engine)
+    for step in range(2, 5):
+        train_then_eval(engine, step, eval_grad=True)
+    later = passes(engine)
+    for p in later:
+        assert p["trace_records"] == 0 and p["trace_mismatches"] == 0, p
+    forwards = [p for p in later if p["kind"] == "forward"]
+    assert all(p["trace_switches"] == 1 for p in forwards)
+    assert sum(p["demand_numel"] for p in later if p["kind"] == "backward") == 0
+    engine.destroy()
+
+
+def test_generation_loop_then_train_stops_recording():
+    """16 no-grad forwards of growing length, then a training step, repeated (RLHF generate-then-train)."""
+    torch.manual_seed(0)
+    model = TinyGPT(vocab=64, dim=32, heads=2, layers=2, max_seq=32)
+    engine = training_engine(model, zero3_config(bucket=5_000, reuse=0))
+    rank = torch.distributed.get_rank()
+    generator = torch.Generator().manual_seed(rank)
+
+    def cycle():
+        tokens = torch.randint(0, 64, (2, 4), generator=generator)
+        engine.eval()
+        with torch.no_grad():
+            for _ in range(16):
+                logits = engine(tokens)
+                tokens = torch.cat([tokens, logits[:, -1:].argmax(-1)], dim=1)
+        engine.train()
+        loss = engine(tokens[:, :-1], tokens[:, 1:])
+        engine.backward(loss)
+        engine.step()
+
+    cycle()
+    assert sum(p["trace_records"] for p in passes(engine)) == 3  # eval forward, forward, backward
+    deepspeed_zero3.reset_zero3_stats(engine)
+    cycle()
+    cycle()
+    later = passes(engine)
+    assert len(later) == 2 * 18
+    assert_quiet(later, "generation")
+    engine.destroy()
