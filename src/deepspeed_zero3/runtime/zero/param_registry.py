@@ -55,8 +55,9 @@ class ParamStateRegistry:
         self.fixed_settings = dict(fixed_settings)
         self.alive = True
         self.next_ds_id = 0
-        self.module_hooks: Dict[Module, List[RemovableHandle]] = {}
-        self.root_hooks: Dict[Module, List[RemovableHandle]] = {}
+        # Weak keys: a wrapper module dropped with its engine (Lightning's pattern) must not be kept alive here.
+        self.module_hooks: Dict[Module, List[RemovableHandle]] = weakref.WeakKeyDictionary()
+        self.root_hooks: Dict[Module, List[RemovableHandle]] = weakref.WeakKeyDictionary()
         # (weak owner, its prefetch settings), in joining order.
         self.owners: List = []
 
@@ -94,8 +95,7 @@ class ParamStateRegistry:
 
     def hook_count(self) -> int:
         """Live hooks installed by this registry (tests count them)."""
-        return sum(handle_is_live(h) for hs in list(self.module_hooks.values()) + list(self.root_hooks.values())
-                   for h in hs)
+        return sum(handle_is_live(h) for h in self.handles())
 
     def handles(self) -> List[RemovableHandle]:
         return [h for hs in list(self.module_hooks.values()) + list(self.root_hooks.values()) for h in hs]

@@ -32,6 +32,19 @@ def _not_supported(feature: str) -> NotImplementedError:
                                f"upstream's ZeRO-3 runtime for this job")
 
 
+def _group_ranks(group):
+    """The global ranks of a process group (None: the whole world), comparable between engines."""
+    import torch.distributed as torch_dist
+    if not torch_dist.is_initialized():
+        return None
+    if group is None:
+        return tuple(range(torch_dist.get_world_size()))
+    try:
+        return tuple(torch_dist.get_process_group_ranks(group))
+    except Exception:  # a group object torch does not know; identity is the best we can compare
+        return f"group object {id(group):#x}"
+
+
 class DeepSpeedZeRoOffload:
     """Upstream's constructor signature and attributes; the hooks and coordinator come from the registry."""
 
@@ -121,9 +134,8 @@ class DeepSpeedZeRoOffload:
     # ---------------------------------------------------------------- construction helpers
 
     def _fixed_settings(self):
-        group = self.dp_process_group
         return {
-            "data-parallel group": None if group is None else id(group),
+            "data-parallel group ranks": _group_ranks(self.dp_process_group),
             "dtype": self.dtype,
             "stage3_param_persistence_threshold": int(self.param_numel_persistence_threshold),
             "stage3_model_persistence_threshold": int(self.model_persistence_threshold),
@@ -147,16 +159,20 @@ class DeepSpeedZeRoOffload:
         group = None
         if mpu is not None and hasattr(mpu, "get_data_parallel_group"):
             group = mpu.get_data_parallel_group()
-        Init(module=module,
-             data_parallel_group=group,
-             dtype=self.dtype,
-             config_dict_or_path=ds_config,
-             remote_device=self.offload_device,
-             pin_memory=self.offload_param_pin_memory,
-             mpu=mpu,
-             zero_param_parallel_group=self.zero_param_parallel_group,
-             zero_quantized_weights=self.zero_quantized_weights,
-             zero_quantized_nontrainable_weights=self.zero_quantized_nontrainable_weights)
+        converter = Init(module=module,
+                         data_parallel_group=group,
+                         dtype=self.dtype,
+                         config_dict_or_path=ds_config,
+                         remote_device=self.offload_device,
+                         pin_memory=self.offload_param_pin_memory,
+                         mpu=mpu,
+                         zero_param_parallel_group=self.zero_param_parallel_group,
+                         zero_quantized_weights=self.zero_quantized_weights,
+                         zero_quantized_nontrainable_weights=self.zero_quantized_nontrainable_weights)
+        # NOTE: every converted parameter keeps this Init object alive (its gather methods are bound to it),
+        # and Init stores the module it converted without reading it again. Dropping that reference lets a
+        # wrapper module, and the engine whose hooks sit on it, be collected (Lightning drops engines).
+        converter.module = None
 
     def mark_persistent_parameters(self, param_threshold, model_threshold):
         """Small parameters stay gathered: each up to ``param_threshold`` numel, all of them up to ``model_threshold``."""

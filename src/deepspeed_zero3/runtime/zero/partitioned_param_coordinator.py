@@ -264,7 +264,7 @@ class PartitionedParameterCoordinator:
         trace = progress.completed_trace()
         if trace is None:
             trace = self.traces.find(progress.kind, progress.observed_ids, exact=True)
-            if trace is not None and any(a is not b for a, b in zip(trace.modules, progress.observed)):
+            if trace is not None and not trace.runs(progress.observed):
                 trace = None
         if trace is None:
             verify_same_order_on_all_ranks(progress.kind, progress.observed_ids)

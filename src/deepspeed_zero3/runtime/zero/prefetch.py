@@ -14,8 +14,9 @@ parameters in flight.
 [Note: the prefetch window]
 ``outstanding`` holds the parameters this prefetcher gathered for a step that
 execution has not reached yet. Its numel is the window, and the window never
-grows past ``stage3_prefetch_bucket_size`` (plus the one parameter that crosses
-the line, as upstream's loop allows). ``stage3_max_live_parameters`` caps it
+grows past ``stage3_prefetch_bucket_size`` (plus the rest of the one module that crosses
+the line: the walk finishes the module it started, so that a module's small
+bias is not left behind for a demand fetch). ``stage3_max_live_parameters`` caps it
 further against everything gathered. Upstream instead adds a full bucket at
 every module on top of what is already prefetched, which is how it climbs to
 the live-parameter cap.
@@ -103,8 +104,11 @@ class PassPrefetcher:
         chosen: List[Parameter] = []
         chosen_numel = 0
         uses = self.trace.param_uses
-        while self.cursor < len(uses) and chosen_numel < budget:
+        started_step = None  # a module is prefetched whole, so its small bias is never left to a demand fetch
+        while self.cursor < len(uses) and (chosen_numel < budget or uses[self.cursor][1] == started_step):
             param, step = uses[self.cursor]
+            if chosen_numel < budget:
+                started_step = step
             if param.ds_status != ZeroParamStatus.NOT_AVAILABLE or param in self.outstanding:
                 if not is_persistent(param):
                     self.claims[param] = max(self.claims.get(param, -1), step)

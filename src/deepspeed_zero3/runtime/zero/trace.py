@@ -19,6 +19,7 @@ recorded (see ``coordinator.verify_same_order_on_all_ranks``).
 
 import bisect
 import enum
+import weakref
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from torch.nn import Module, Parameter
@@ -32,11 +33,13 @@ class PassTrace:
 
     def __init__(self, kind: PassKind, modules: Sequence[Module]):
         self.kind = kind
-        self.modules: Tuple[Module, ...] = tuple(modules)
-        self.module_ids: Tuple[int, ...] = tuple(m.ds_id for m in self.modules)
+        # Weak: a trace must not keep a dropped wrapper module (and through its hooks, its engine) alive.
+        # A trace whose module is gone never matches again and ages out of the cache.
+        self.module_refs: Tuple[weakref.ref, ...] = tuple(weakref.ref(m) for m in modules)
+        self.module_ids: Tuple[int, ...] = tuple(m.ds_id for m in modules)
         # Parameters are read when the pass has ended, so external parameters discovered
         # during the pass are included, as they will be when it is replayed.
-        self.step_params: Tuple[Tuple[Parameter, ...], ...] = tuple(tuple(fetch_params(m)) for m in self.modules)
+        self.step_params: Tuple[Tuple[Parameter, ...], ...] = tuple(tuple(fetch_params(m)) for m in modules)
         self.param_uses: Tuple[Tuple[Parameter, int], ...] = tuple(
             (param, step) for step, params in enumerate(self.step_params) for param in params)
         step_numel = [sum(p.ds_numel for p in params) for params in self.step_params]
@@ -52,7 +55,14 @@ class PassTrace:
         self.next_backward: Optional["PassTrace"] = None
 
     def __len__(self):
-        return len(self.modules)
+        return len(self.module_refs)
+
+    def module_at(self, step: int) -> Optional[Module]:
+        return self.module_refs[step]() if 0 <= step < len(self.module_refs) else None
+
+    def runs(self, observed: Sequence[Module]) -> bool:
+        """Whether this trace starts with exactly these module objects."""
+        return len(observed) <= len(self) and all(self.module_refs[i]() is m for i, m in enumerate(observed))
 
     @property
     def total_numel(self) -> int:
@@ -152,11 +162,10 @@ class PassProgress:
         self.observed_ids.append(module.ds_id)
         if self.state is ReplayState.RECORDING:
             return StepOutcome.RECORDING
-        step = self.step
-        if step < len(self.trace) and self.trace.modules[step] is module:
+        if self.trace.module_at(self.step) is module:
             return StepOutcome.MATCHED
         replacement = self.cache.find(self.kind, self.observed_ids)
-        if replacement is not None and all(a is b for a, b in zip(replacement.modules, self.observed)):
+        if replacement is not None and replacement.runs(self.observed):
             self.trace = replacement
             return StepOutcome.SWITCHED
         self.trace = None
