@@ -40,6 +40,10 @@ def pytest_configure(config):
     if "WORLD_SIZE" not in os.environ:
         raise pytest.UsageError("tests/distributed runs under the deepspeed launcher: "
                                 "DS_ACCELERATOR=cpu deepspeed --num_gpus 2 --no_local_rank --module pytest tests/distributed")
+    if not torch.cuda.is_available():
+        # Every rank shares this machine's cores; more threads than cores per rank makes gloo runs ~10x slower.
+        local = int(os.environ.get("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local)))
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     deepspeed.init_distributed(dist_backend=backend, timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))
     if torch.cuda.is_available():

@@ -82,6 +82,7 @@ def test_inference_engine_then_training_engine_then_both():
     a.destroy()
 
 
+@pytest.mark.world_size(2, 4)
 def test_lightning_fresh_wrapper_validate_fit_repeated():
     # Reference: the same fits (a fresh optimizer each round, as Lightning builds) without validation engines.
     torch.manual_seed(0)

@@ -5,6 +5,7 @@ Model B of the baseline (199,876 parameters), bucket 20,000, reuse 0. Upstream 0
 no pass demand-fetches and no pass records a trace.
 """
 
+import pytest
 import torch
 
 import deepspeed_zero3
@@ -35,6 +36,7 @@ def assert_quiet(records, label):
         assert p["trace_records"] == 0 and p["trace_mismatches"] == 0, (label, p)
 
 
+@pytest.mark.world_size(2, 4)
 def test_train_eval_alternation_stops_recording():
     torch.manual_seed(0)
     engine = training_engine(model_b(), zero3_config(bucket=20_000, reuse=0))

@@ -1,0 +1,55 @@
+# Two commands for a fresh machine: `make demo` (the main job) and `make test` (every test).
+# Both create the virtual environment they need: torch 2.13.0 (CPU build here) before deepspeed 0.19.8,
+# then this package with `pip install .` (the activation .pth needs a real install, not -e).
+
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+PORT ?= 29500
+NPROC ?= 2
+# On a machine without GPUs DeepSpeed's CPU accelerator is used (gloo); with GPUs, NCCL.
+ACCEL := $(shell nvidia-smi -L >/dev/null 2>&1 && echo cuda || echo cpu)
+# Each environment builds DeepSpeed's CPU comm op once; a shared cache is rebuilt by every other environment.
+export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.torch_extensions
+export DS_ACCELERATOR ?= $(ACCEL)
+export PYTHONUNBUFFERED := 1
+LAUNCH = $(BIN)/deepspeed --num_gpus $(NPROC) --master_port $(PORT)
+DIST_PYTEST = --no_local_rank --module pytest -q -p no:cacheprovider
+
+.PHONY: venv demo test test-unit test-parity test-distributed test-world4 bench clean-locks clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+$(VENV)/.installed: $(BIN)/python pyproject.toml setup.py $(shell find src -name '*.py' -o -name '*.pth')
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q deepspeed==0.19.8
+	$(BIN)/pip install -q ".[test]"
+	touch $@
+
+venv: $(VENV)/.installed
+
+# A build killed midway leaves a lock that makes the next start wait forever.
+clean-locks:
+	@find $(TORCH_EXTENSIONS_DIR) -name lock -delete 2>/dev/null || true
+
+demo: venv clean-locks
+	$(LAUNCH) examples/train_gpt.py
+
+test: test-unit test-parity test-distributed test-world4
+
+test-unit: venv
+	$(BIN)/python -m pytest -q tests/unit
+
+test-parity: venv clean-locks
+	$(BIN)/python -m pytest -q tests/parity
+
+test-distributed: venv clean-locks
+	$(LAUNCH) $(DIST_PYTEST) tests/distributed
+
+test-world4: venv clean-locks
+	LOCAL_SIZE=4 $(BIN)/deepspeed --num_gpus 4 --master_port $(PORT) $(DIST_PYTEST) -m world_size tests/distributed
+
+clean:
+	rm -rf $(VENV) build dist src/*.egg-info .torch_extensions demo-out
