@@ -22,6 +22,7 @@ What differs from upstream, in one place:
 """
 
 import enum
+import os
 import threading
 from typing import Dict, Iterable, List, Optional
 
@@ -36,7 +37,7 @@ from deepspeed_zero3.runtime.zero.gather import Gatherer, InflightParamRegistry
 from deepspeed_zero3.runtime.zero.module_params import fetch_params, iter_params
 from deepspeed_zero3.runtime.zero.prefetch import PassPrefetcher
 from deepspeed_zero3.runtime.zero.settings import PrefetchSettings
-from deepspeed_zero3.runtime.zero.stats import PassKind, ZeroStats
+from deepspeed_zero3.runtime.zero.stats import PassKind, ZeroStats, format_line, stats_every_from_env
 from deepspeed_zero3.runtime.zero.trace import PassProgress, PassTrace, StepOutcome, TraceCache
 
 __all__ = [
@@ -131,6 +132,8 @@ class PartitionedParameterCoordinator:
         # Modules fetched in this backward whose post-backward hook has not fired yet.
         self.active_backward: Dict[int, Module] = {}
         self.root_depth = 0
+        self.stats_every = stats_every_from_env(os.environ)
+        self.backward_passes = 0
         # Autograd may run backward hooks on its own threads (GPU, multi-output z3 leaf modules).
         self.lock = threading.RLock()
 
@@ -240,6 +243,10 @@ class PartitionedParameterCoordinator:
             self.active_backward.clear()
             self._end_pass(aborted=False)
             self.release_all_ours(keep=())
+            self.backward_passes += 1
+            if self.stats_every and self.backward_passes % self.stats_every == 0 and (not dist.is_initialized()
+                                                                                     or dist.get_rank() == 0):
+                logger.info(format_line(self.stats))
 
     def _begin_pass(self, phase: PassPhase, kind: PassKind, guess: Optional[PassTrace]) -> None:
         self.phase = phase

@@ -133,3 +133,34 @@ class ZeroStats:
 
 def passes_of(history: List[PassStats], kind: PassKind) -> List[PassStats]:
     return [s for s in history if s.kind == kind.value]
+
+
+STATS_EVERY_ENV = "DEEPSPEED_ZERO3_STATS_EVERY"
+
+
+def stats_every_from_env(environ) -> int:
+    """Log one stats line every N backward passes when DEEPSPEED_ZERO3_STATS_EVERY=N (0 or unset: never)."""
+    raw = environ.get(STATS_EVERY_ENV, "").strip()
+    if not raw:
+        return 0
+    try:
+        every = int(raw)
+    except ValueError:
+        every = -1
+    if every < 0:
+        raise ValueError(f"{STATS_EVERY_ENV}={raw!r} is not allowed: expected a whole number of steps >= 0 "
+                         f"(0 turns the log line off)")
+    return every
+
+
+def format_line(stats: ZeroStats) -> str:
+    """One log line: the last pass of each kind, numel in millions."""
+    parts = []
+    for kind in PassKind:
+        last = stats.last(kind.value)
+        if last is None:
+            continue
+        parts.append(f"{kind.value}: {last.allgather_calls} gathers {last.allgather_numel / 1e6:.3f}M "
+                     f"demand {last.demand_numel / 1e6:.3f}M peak-live {last.peak_live_numel / 1e6:.3f}M "
+                     f"records {last.trace_records}")
+    return "deepspeed-zero3 stats | " + " | ".join(parts)
