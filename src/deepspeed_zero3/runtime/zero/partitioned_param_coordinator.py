@@ -86,6 +86,41 @@ def verify_same_order_on_all_ranks(kind: PassKind, module_ids: List[int]) -> Non
                                f"in the same order; make data-dependent control flow agree across ranks.")
 
 
+CHECK_RANKS_ENV = "DEEPSPEED_ZERO3_CHECK_RANKS"
+
+
+def check_ranks_from_env(environ) -> bool:
+    raw = environ.get(CHECK_RANKS_ENV, "0").strip().lower()
+    if raw in ("0", "", "false", "off", "no"):
+        return False
+    if raw in ("1", "true", "on", "yes"):
+        return True
+    raise ValueError(f"{CHECK_RANKS_ENV}={raw!r} is not allowed: use 1 to check the module order across ranks "
+                     f"before every fetch, or 0 (default) to check it only when a trace is recorded")
+
+
+def check_same_module_on_all_ranks(kind: PassKind, step: int, module: Module) -> None:
+    """[Note: diverging ranks] Debug mode: one small all_gather before each fetch, so ranks that run
+    different modules stop with an error on every rank before any mismatched all-gather is issued.
+
+    Without it, the module order is compared only when a trace is recorded; ranks that diverge while
+    replaying a cached trace then issue gathers of different parameters, which gloo and NCCL may not
+    detect. The cost is one all_gather of two integers per module fetch.
+    """
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    mine = torch.tensor([step, module.ds_id], dtype=torch.long)
+    everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, mine)
+    seen = [tuple(t.tolist()) for t in everyone]
+    if any(entry != seen[0] for entry in seen):
+        listing = ", ".join(f"rank {r}: step {st} module ds_id={mid}" for r, (st, mid) in enumerate(seen))
+        raise RuntimeError(f"deepspeed-zero3 ({CHECK_RANKS_ENV}=1): ranks diverged in a {kind.value} pass; this rank "
+                           f"(rank {dist.get_rank()}) is at step {step} in module {type(module).__name__} "
+                           f"ds_id={module.ds_id}; {listing}. ZeRO-3 needs every rank to run the same modules "
+                           f"in the same order.")
+
+
 class PartitionedParameterCoordinator:
     """Decides when each parameter is gathered and released. One per managed module tree."""
 
@@ -133,6 +168,7 @@ class PartitionedParameterCoordinator:
         self.active_backward: Dict[int, Module] = {}
         self.root_depth = 0
         self.stats_every = stats_every_from_env(os.environ)
+        self.check_ranks = check_ranks_from_env(os.environ)
         self.backward_passes = 0
         # Autograd may run backward hooks on its own threads (GPU, multi-output z3 leaf modules).
         self.lock = threading.RLock()
@@ -292,6 +328,9 @@ class PartitionedParameterCoordinator:
             step = -1
             if self.progress is not None:
                 step = self._observe(current_submodule)
+            if self.check_ranks:
+                kind = self.progress.kind if self.progress is not None else PassKind.FORWARD
+                check_same_module_on_all_ranks(kind, step, current_submodule)
             params = fetch_params(current_submodule)
             if self.phase is PassPhase.BACKWARD:
                 self.active_backward[current_submodule.ds_id] = current_submodule
@@ -353,6 +392,11 @@ class PartitionedParameterCoordinator:
     def release_sub_module(self, submodule: Module, forward: bool = False) -> None:
         """Release what ``submodule`` used, unless it is in use, claimed ahead, or reused soon."""
         with self.lock:
+            if forward and self.phase is PassPhase.BACKWARD and submodule.ds_id in self.active_backward:
+                # A non-reentrant checkpoint recomputes this module's forward inside its own backward (and
+                # torch's early stop raises out of it, which always_call forward hooks see): the backward has
+                # yet to use the parameters (its AccumulateGrad included); its post-backward releases them.
+                return
             step = self.progress.step if self.progress is not None else -1
             prefetcher = self.current_prefetcher()
             for param in fetch_params(submodule):

@@ -1,0 +1,257 @@
+"""``python -m deepspeed_zero3.bench``: upstream's ZeRO-3 parameter runtime and ours, side by side, in one run.
+
+Launches ``deepspeed_zero3.bench.worker`` through the DeepSpeed launcher next to this interpreter, once
+with ``DEEPSPEED_ZERO3=0`` (upstream 0.19.8, untouched) and once with ``DEEPSPEED_ZERO3=1`` (ours), one
+launch at a time, then merges the two workers' JSON into ``<out>/results.json``, prints one table per
+scenario, and writes ``<out>/timeline.png`` and ``<out>/volume.png``. Launcher output goes to
+``<out>/logs/<runtime>.log``.
+
+Exit status: 0 when both launches produced results and every scenario ran ``ok`` on our runtime
+(upstream is allowed to crash: that is one of the things measured); 1 otherwise.
+"""
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from deepspeed_zero3.bench import DEFAULT_BUCKET, DEFAULT_STEPS, DEFAULT_WARMUP, RUNTIMES, SCENARIOS
+
+LAUNCH_TIMEOUT_S = 1800
+POLL_S = 0.5
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m deepspeed_zero3.bench",
+                                     description="Benchmark upstream DeepSpeed's ZeRO-3 parameter runtime against "
+                                     "deepspeed-zero3's, side by side.")
+    parser.add_argument("--model", choices=("a", "b"), default="b",
+                        help="the baseline's Model A (6.3M params) or Model B (0.2M, default; fast)")
+    parser.add_argument("--world", type=int, default=2, help="ranks (default 2)")
+    parser.add_argument("--bucket", type=int, default=None,
+                        help="stage3_prefetch_bucket_size (default: 100000 for a, 20000 for b)")
+    parser.add_argument("--reuse", type=int, default=0, help="stage3_max_reuse_distance (default 0)")
+    parser.add_argument("--steps", type=int, default=DEFAULT_STEPS,
+                        help=f"measured cycles per scenario (default {DEFAULT_STEPS})")
+    parser.add_argument("--warmup", type=int, default=DEFAULT_WARMUP,
+                        help=f"warm-up cycles per scenario before the measured ones (default {DEFAULT_WARMUP})")
+    parser.add_argument("--out", default="bench-out/", help="output folder (default bench-out/)")
+    parser.add_argument("--scenarios", default=",".join(SCENARIOS),
+                        help="comma-separated subset of: " + ", ".join(SCENARIOS) + " (default: all)")
+    parser.add_argument("--timeout", type=int, default=LAUNCH_TIMEOUT_S,
+                        help=f"seconds allowed per launch (default {LAUNCH_TIMEOUT_S})")
+    args = parser.parse_args(argv)
+    if args.bucket is None:
+        args.bucket = DEFAULT_BUCKET[args.model]
+    wanted = [s.strip() for s in args.scenarios.split(",") if s.strip()]
+    unknown = [s for s in wanted if s not in SCENARIOS]
+    if unknown or not wanted:
+        parser.error(f"unknown scenario(s) {', '.join(unknown) or '(none given)'}; choose from {', '.join(SCENARIOS)}")
+    if args.steps < 1 or args.warmup < 0 or args.world < 1:
+        parser.error("--steps must be >= 1, --warmup >= 0, --world >= 1")
+    args.scenarios = [s for s in SCENARIOS if s in wanted]  # canonical order: validate_fit last
+    return args
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def find_launcher() -> str:
+    beside = Path(sys.executable).parent / "deepspeed"
+    if beside.exists():
+        return str(beside)
+    found = shutil.which("deepspeed")
+    if found is None:
+        sys.exit(f"no `deepspeed` launcher next to {sys.executable} or on PATH; install deepspeed==0.19.8")
+    return found
+
+
+def accelerator() -> str:
+    if os.environ.get("DS_ACCELERATOR"):
+        return os.environ["DS_ACCELERATOR"]
+    import torch
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def read_json(path: Path):
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+class Launch:
+    """One worker launch: the launcher subprocess, its log, and the JSON its rank 0 keeps up to date."""
+
+    def __init__(self, runtime: str, args, out: Path, launcher: str, accel: str):
+        self.runtime = runtime
+        self.raw_path = out / "raw" / f"{runtime}.json"
+        self.log_path = out / "logs" / f"{runtime}.log"
+        self.port = free_port()
+        self.cmd = [
+            launcher, "--num_gpus", str(args.world), "--master_port", str(self.port),
+            "--module", "deepspeed_zero3.bench.worker",
+            "--out", str(self.raw_path), "--model", args.model, "--bucket", str(args.bucket),
+            "--reuse", str(args.reuse), "--steps", str(args.steps), "--warmup", str(args.warmup),
+            "--scenarios", ",".join(args.scenarios),
+        ]
+        self.env = dict(os.environ, DEEPSPEED_ZERO3="0" if runtime == "upstream" else "1", DS_ACCELERATOR=accel,
+                        LOCAL_SIZE=str(args.world), PYTHONUNBUFFERED="1")
+        self.returncode = None
+        self.seconds = None
+        self.timed_out = False
+
+    def run(self, bar, timeout: int):
+        for path in (self.raw_path, self.log_path):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.unlink(missing_ok=True)
+        start = time.time()
+        done = 0
+        with open(self.log_path, "w") as log:
+            log.write("$ " + " ".join(f"{k}={self.env[k]}" for k in ("DEEPSPEED_ZERO3", "DS_ACCELERATOR", "LOCAL_SIZE"))
+                      + " " + " ".join(self.cmd) + "\n")
+            log.flush()
+            proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env,
+                                    start_new_session=True)
+            while True:
+                try:
+                    self.returncode = proc.wait(timeout=POLL_S)
+                except subprocess.TimeoutExpired:
+                    pass
+                progress = (read_json(self.raw_path) or {}).get("progress") or {}
+                finished = len(progress.get("done") or [])
+                if finished > done:
+                    bar.update(finished - done)
+                    done = finished
+                running = progress.get("running")
+                bar.set_postfix_str(f"{self.runtime}: {running or ('starting' if not done else '...')}")
+                if self.returncode is not None:
+                    break
+                if time.time() - start > timeout:
+                    self.timed_out = True
+                    self._stop(proc)
+                    self.returncode = proc.returncode
+                    break
+        self.seconds = time.time() - start
+        return done
+
+    @staticmethod
+    def _stop(proc):
+        """End the launcher and its ranks (the session this driver started for them)."""
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                return
+            try:
+                proc.wait(timeout=15)
+                return
+            except subprocess.TimeoutExpired:
+                continue
+
+    def result(self):
+        raw = read_json(self.raw_path)
+        if raw is not None and raw.get("meta", {}).get("runtime") != self.runtime:
+            raise SystemExit(f"the {self.runtime} launch ran the {raw['meta'].get('runtime')} runtime "
+                             f"(parameter_offload from {raw['meta'].get('parameter_offload')}); is the overlay "
+                             f"installed (`pip install .`, not -e)? `python -m deepspeed_zero3` says")
+        return raw
+
+    def log_tail(self, lines=40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+    launcher = find_launcher()
+    accel = accelerator()
+
+    from tqdm import tqdm
+
+    launches = [Launch(rt, args, out, launcher, accel) for rt in RUNTIMES]
+    raw = {}
+    failures = []
+    with tqdm(total=len(launches) * len(args.scenarios), desc="bench", unit="scenario", dynamic_ncols=True,
+              file=sys.stderr) as bar:
+        for launch in launches:
+            done = launch.run(bar, args.timeout)
+            bar.update(len(args.scenarios) - done)  # a failed launch still moves the bar to its end
+            raw[launch.runtime] = launch.result()
+            if launch.returncode != 0 or raw[launch.runtime] is None or launch.timed_out:
+                why = "timed out" if launch.timed_out else f"exit status {launch.returncode}"
+                failures.append(f"{launch.runtime} launch: {why}")
+                tqdm.write(f"{launch.runtime} launch failed ({why}); last lines of {launch.log_path}:\n"
+                           f"{launch.log_tail()}", file=sys.stderr)
+
+    from deepspeed_zero3.bench import plots, report
+
+    summary = report.summarize(raw, args.scenarios)
+    meta_source = raw.get("ours") or raw.get("upstream") or {}
+    meta = dict(meta_source.get("meta") or {}, world=args.world, bucket=args.bucket, reuse=args.reuse)
+    table = report.text_table(summary, meta)
+    (out / "table.txt").write_text(table + "\n")
+    (out / "table.md").write_text(report.markdown_table(summary, meta))
+
+    plot_paths = {}
+    try:
+        plot_paths["timeline"] = plots.plot_timeline(raw, out / "timeline.png")
+        plot_paths["volume"] = plots.plot_volume(summary, out / "volume.png")
+    except ImportError as exc:  # matplotlib is a test/bench extra
+        print(f"plots skipped: {exc} (pip install matplotlib)", file=sys.stderr)
+
+    wall = time.time() - started
+    for name in args.scenarios:
+        status = summary[name]["ours"].get("status")
+        if status != "ok":
+            failures.append(f"ours {name}: {status} {summary[name]['ours'].get('error') or ''}".strip())
+    results = {
+        "meta": {
+            "command": "python -m deepspeed_zero3.bench " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "args": {k: v for k, v in vars(args).items()},
+            "date": datetime.datetime.now().isoformat(timespec="seconds"),
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "cpu_count": os.cpu_count(),
+            "accelerator": accel,
+            "wall_seconds": round(wall, 1),
+            "launch_seconds": {launch.runtime: round(launch.seconds or 0, 1) for launch in launches},
+            "runtimes": {rt: (raw[rt] or {}).get("meta") for rt in RUNTIMES},
+            "failures": failures,
+        },
+        "summary": summary,
+        "raw": raw,
+        "plots": {k: str(v) for k, v in plot_paths.items() if v is not None},
+    }
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+
+    print(table)
+    versions = meta_source.get("meta") or {}
+    print(f"torch {versions.get('torch', '?')}, deepspeed {versions.get('deepspeed', '?')}, "
+          f"{versions.get('backend', '?')}, {os.cpu_count()} CPU cores"
+          + (f", {versions.get('device')}" if versions.get("device") not in (None, "cpu") else ""))
+    print(f"results: {out / 'results.json'}; plots: {', '.join(str(p) for p in plot_paths.values() if p) or 'none'}; "
+          f"wall time {wall:.0f}s")
+    for failure in failures:
+        print(f"FAILED: {failure}", file=sys.stderr)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
