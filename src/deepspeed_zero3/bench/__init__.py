@@ -23,6 +23,6 @@ SCENARIOS = (
 )
 
 DEFAULT_BUCKET = {"a": 100_000, "b": 20_000}
-DEFAULT_STEPS = 8
+DEFAULT_STEPS = 5
 DEFAULT_WARMUP = 3
 RUNTIMES = ("upstream", "ours")

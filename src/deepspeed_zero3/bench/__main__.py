@@ -48,6 +48,8 @@ def parse_args(argv=None):
                         help="comma-separated subset of: " + ", ".join(SCENARIOS) + " (default: all)")
     parser.add_argument("--timeout", type=int, default=LAUNCH_TIMEOUT_S,
                         help=f"seconds allowed per launch (default {LAUNCH_TIMEOUT_S})")
+    parser.add_argument("--no-run", action="store_true",
+                        help="launch nothing: redo the tables and plots from the raw JSON already in --out")
     args = parser.parse_args(argv)
     if args.bucket is None:
         args.bucket = DEFAULT_BUCKET[args.model]
@@ -118,6 +120,7 @@ class Launch:
             path.unlink(missing_ok=True)
         start = time.time()
         done = 0
+        shown = None
         with open(self.log_path, "w") as log:
             log.write("$ " + " ".join(f"{k}={self.env[k]}" for k in ("DEEPSPEED_ZERO3", "DS_ACCELERATOR", "LOCAL_SIZE"))
                       + " " + " ".join(self.cmd) + "\n")
@@ -134,8 +137,10 @@ class Launch:
                 if finished > done:
                     bar.update(finished - done)
                     done = finished
-                running = progress.get("running")
-                bar.set_postfix_str(f"{self.runtime}: {running or ('starting' if not done else '...')}")
+                postfix = f"{self.runtime}: {progress.get('running') or ('starting' if not done else 'finishing')}"
+                if postfix != shown:  # redraw on change only: a log file gets a line per change, not per poll
+                    bar.set_postfix_str(postfix)
+                    shown = postfix
                 if self.returncode is not None:
                     break
                 if time.time() - start > timeout:
@@ -175,19 +180,14 @@ class Launch:
             return "(no log)"
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    started = time.time()
-    launcher = find_launcher()
-    accel = accelerator()
-
+def run_launches(args, out: Path):
+    """Both launches, one at a time, under one progress bar; returns ({runtime: raw JSON or None}, failures, launches)."""
     from tqdm import tqdm
 
+    launcher = find_launcher()
+    accel = accelerator()
     launches = [Launch(rt, args, out, launcher, accel) for rt in RUNTIMES]
-    raw = {}
-    failures = []
+    raw, failures = {}, []
     with tqdm(total=len(launches) * len(args.scenarios), desc="bench", unit="scenario", dynamic_ncols=True,
               file=sys.stderr) as bar:
         for launch in launches:
@@ -199,12 +199,30 @@ def main(argv=None):
                 failures.append(f"{launch.runtime} launch: {why}")
                 tqdm.write(f"{launch.runtime} launch failed ({why}); last lines of {launch.log_path}:\n"
                            f"{launch.log_tail()}", file=sys.stderr)
+    return raw, failures, launches, accel
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+    previous = read_json(out / "results.json") if args.no_run else None
+
+    if args.no_run:
+        raw = {rt: read_json(out / "raw" / f"{rt}.json") for rt in RUNTIMES}
+        present = {name for r in raw.values() if r for name in r.get("scenarios", {})}
+        args.scenarios = [s for s in args.scenarios if s in present]
+        failures = [f"{rt}: no {out / 'raw' / (rt + '.json')}" for rt in RUNTIMES if raw[rt] is None]
+        launches, accel = [], (previous or {}).get("meta", {}).get("accelerator")
+    else:
+        raw, failures, launches, accel = run_launches(args, out)
 
     from deepspeed_zero3.bench import plots, report
 
     summary = report.summarize(raw, args.scenarios)
-    meta_source = raw.get("ours") or raw.get("upstream") or {}
-    meta = dict(meta_source.get("meta") or {}, world=args.world, bucket=args.bucket, reuse=args.reuse)
+    versions = (raw.get("ours") or raw.get("upstream") or {}).get("meta") or {}
+    meta = dict(dict(world=args.world, bucket=args.bucket, reuse=args.reuse), **versions)
     table = report.text_table(summary, meta)
     (out / "table.txt").write_text(table + "\n")
     (out / "table.md").write_text(report.markdown_table(summary, meta))
@@ -213,28 +231,31 @@ def main(argv=None):
     try:
         plot_paths["timeline"] = plots.plot_timeline(raw, out / "timeline.png")
         plot_paths["volume"] = plots.plot_volume(summary, out / "volume.png")
-    except ImportError as exc:  # matplotlib is a test/bench extra
+    except ImportError as exc:  # matplotlib comes with the [test] extra
         print(f"plots skipped: {exc} (pip install matplotlib)", file=sys.stderr)
 
-    wall = time.time() - started
     for name in args.scenarios:
         status = summary[name]["ours"].get("status")
         if status != "ok":
             failures.append(f"ours {name}: {status} {summary[name]['ours'].get('error') or ''}".strip())
-    results = {
-        "meta": {
+    if previous is not None:  # --no-run keeps what the launches measured (wall time, date, command)
+        run_meta = dict(previous.get("meta") or {}, failures=failures)
+    else:
+        run_meta = {
             "command": "python -m deepspeed_zero3.bench " + " ".join(argv if argv is not None else sys.argv[1:]),
-            "args": {k: v for k, v in vars(args).items()},
+            "args": vars(args),
             "date": datetime.datetime.now().isoformat(timespec="seconds"),
             "platform": platform.platform(),
             "python": platform.python_version(),
             "cpu_count": os.cpu_count(),
             "accelerator": accel,
-            "wall_seconds": round(wall, 1),
+            "wall_seconds": round(time.time() - started, 1),
             "launch_seconds": {launch.runtime: round(launch.seconds or 0, 1) for launch in launches},
-            "runtimes": {rt: (raw[rt] or {}).get("meta") for rt in RUNTIMES},
+            "runtimes": {rt: (raw.get(rt) or {}).get("meta") for rt in RUNTIMES},
             "failures": failures,
-        },
+        }
+    results = {
+        "meta": run_meta,
         "summary": summary,
         "raw": raw,
         "plots": {k: str(v) for k, v in plot_paths.items() if v is not None},
@@ -242,12 +263,11 @@ def main(argv=None):
     (out / "results.json").write_text(json.dumps(results, indent=1))
 
     print(table)
-    versions = meta_source.get("meta") or {}
     print(f"torch {versions.get('torch', '?')}, deepspeed {versions.get('deepspeed', '?')}, "
           f"{versions.get('backend', '?')}, {os.cpu_count()} CPU cores"
           + (f", {versions.get('device')}" if versions.get("device") not in (None, "cpu") else ""))
     print(f"results: {out / 'results.json'}; plots: {', '.join(str(p) for p in plot_paths.values() if p) or 'none'}; "
-          f"wall time {wall:.0f}s")
+          f"wall time {run_meta.get('wall_seconds', 0):.0f}s")
     for failure in failures:
         print(f"FAILED: {failure}", file=sys.stderr)
     return 1 if failures else 0

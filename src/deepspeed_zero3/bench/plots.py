@@ -50,18 +50,18 @@ def plot_timeline(raw: Dict[str, dict], path: Path) -> Optional[Path]:
     for rt, x in boundaries.items():
         ax.axvline(x, color="0.4" if len(set(boundaries.values())) == 1 else COLORS[rt], linestyle="--", linewidth=1)
     x = min(boundaries.values())
-    top = 105
-    ax.text(x - 0.4, top * 0.97, "forward", ha="right", va="top", fontsize=9, color="0.3")
-    ax.text(x + 0.4, top * 0.97, "backward", ha="left", va="top", fontsize=9, color="0.3")
+    ax.text(x - 0.6, 62, "forward", ha="right", va="center", fontsize=9, color="0.3")
+    ax.text(x + 0.6, 62, "backward", ha="left", va="center", fontsize=9, color="0.3")
     meta = raw["ours"]["meta"]
     record = raw["ours"]["scenarios"][name]
-    ax.set_ylim(0, top)
+    ax.set_ylim(0, 125)
+    ax.set_yticks(range(0, 101, 20))
     ax.set_xlabel("fetch (submodule) within one steady-state training step")
     ax.set_ylabel("live gathered, % of model")
     ax.set_title(f"{name}: {record['label']} ({record['numel']:,} params), {meta['world']} ranks, "
                  f"bucket {meta['bucket']:,}", fontsize=10)
     ax.grid(alpha=0.3)
-    ax.legend(loc="center right", fontsize=9)
+    ax.legend(loc="upper center", ncol=2, fontsize=9, frameon=False)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
@@ -74,23 +74,29 @@ def plot_volume(summary: Dict[str, dict], path: Path) -> Optional[Path]:
         for kind in PASS_KINDS:
             values = [entry[rt].get(f"{kind}_x") for rt in RUNTIMES]
             if any(v is not None for v in values):
-                groups.append((f"{name}\n{kind}", values))
+                groups.append((f"{name}\n{kind}", values, [entry[rt].get("status") for rt in RUNTIMES]))
     if not groups:
         return None
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(max(6.0, 0.75 * len(groups) + 1.5), 3.8), dpi=90)
     width = 0.4
     for offset, rt in zip((-width / 2, width / 2), RUNTIMES):
-        xs = [i + offset for i, (_, values) in enumerate(groups) if values[RUNTIMES.index(rt)] is not None]
-        ys = [values[RUNTIMES.index(rt)] for _, values in groups if values[RUNTIMES.index(rt)] is not None]
-        ax.bar(xs, ys, width, color=COLORS[rt], label=NAMES[rt])
+        column = RUNTIMES.index(rt)
+        for i, (_, values, statuses) in enumerate(groups):
+            value = values[column]
+            if value:
+                ax.bar(i + offset, value, width, color=COLORS[rt])
+            else:  # a zero is a measurement, a missing value a run that did not get there
+                text = "0" if value == 0 else ("crash" if statuses[column] == "crash" else "-")
+                ax.text(i + offset, 0.02, text, ha="center", va="bottom", rotation=90, fontsize=7, color=COLORS[rt])
     ax.axhline(1.0, color="0.3", linestyle=":", linewidth=1)
     ax.set_xticks(range(len(groups)))
-    ax.set_xticklabels([label for label, _ in groups], fontsize=7, rotation=45, ha="right")
+    ax.set_xticklabels([group[0] for group in groups], fontsize=7, rotation=45, ha="right")
     ax.set_ylabel("gathered per pass, x model")
-    ax.set_title("all-gather volume per pass (steady state; a crashed run has no bar)", fontsize=10)
+    ax.set_title("all-gather volume per pass (steady state)", fontsize=10)
     ax.grid(axis="y", alpha=0.3)
-    ax.legend(fontsize=8)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=COLORS[rt]) for rt in RUNTIMES]
+    ax.legend(handles, [NAMES[rt] for rt in RUNTIMES], fontsize=8)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
