@@ -48,6 +48,11 @@ test-parity: venv clean-locks
 test-distributed: venv clean-locks
 	$(LAUNCH) $(DIST_PYTEST) tests/distributed
 
+# Upstream vs ours side by side (two launches, one at a time): tables on stdout, results.json and plots in bench-out/.
+# Options through BENCH_ARGS, e.g. make bench BENCH_ARGS="--model a --steps 8".
+bench: venv clean-locks
+	$(BIN)/python -m deepspeed_zero3.bench $(BENCH_ARGS)
+
 test-world4: venv clean-locks
 	LOCAL_SIZE=4 $(BIN)/deepspeed --num_gpus 4 --master_port $(PORT) $(DIST_PYTEST) -m world_size tests/distributed
 
