@@ -113,12 +113,14 @@ class Launch:
         self.returncode = None
         self.seconds = None
         self.timed_out = False
+        self.loadavg = None  # 1-minute load average before and after: timings mean little on a loaded machine
 
     def run(self, bar, timeout: int):
         for path in (self.raw_path, self.log_path):
             path.parent.mkdir(parents=True, exist_ok=True)
             path.unlink(missing_ok=True)
         start = time.time()
+        load_before = os.getloadavg()[0]
         done = 0
         shown = None
         with open(self.log_path, "w") as log:
@@ -149,6 +151,7 @@ class Launch:
                     self.returncode = proc.returncode
                     break
         self.seconds = time.time() - start
+        self.loadavg = [round(load_before, 2), round(os.getloadavg()[0], 2)]
         return done
 
     @staticmethod
@@ -251,6 +254,7 @@ def main(argv=None):
             "accelerator": accel,
             "wall_seconds": round(time.time() - started, 1),
             "launch_seconds": {launch.runtime: round(launch.seconds or 0, 1) for launch in launches},
+            "loadavg_1min": {launch.runtime: launch.loadavg for launch in launches},
             "runtimes": {rt: (raw.get(rt) or {}).get("meta") for rt in RUNTIMES},
             "failures": failures,
         }
@@ -265,7 +269,9 @@ def main(argv=None):
     print(table)
     print(f"torch {versions.get('torch', '?')}, deepspeed {versions.get('deepspeed', '?')}, "
           f"{versions.get('backend', '?')}, {os.cpu_count()} CPU cores"
-          + (f", {versions.get('device')}" if versions.get("device") not in (None, "cpu") else ""))
+          + (f", {versions.get('device')}" if versions.get("device") not in (None, "cpu") else "")
+          + "".join(f"; {rt} launch {run_meta['launch_seconds'].get(rt, 0):.0f}s, load average {load[0]} -> {load[1]}"
+                    for rt, load in (run_meta.get("loadavg_1min") or {}).items() if load))
     print(f"results: {out / 'results.json'}; plots: {', '.join(str(p) for p in plot_paths.values() if p) or 'none'}; "
           f"wall time {run_meta.get('wall_seconds', 0):.0f}s")
     for failure in failures:

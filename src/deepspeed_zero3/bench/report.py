@@ -8,7 +8,8 @@ Every number is taken over the measured (steady-state) cycles of a scenario, the
 * demand-fetched numel: per cycle (mean), all phases together;
 * trace re-records: traces recorded during the measured cycles (``trace_records_after_first`` in the
   JSON counts from the second cycle on, warm-up included);
-* step time: median wall time of a measured cycle.
+* step time: median wall time of a measured cycle (between barriers), and the median CPU time rank 0's
+  process spent in one (on a shared machine other load stretches the wall time, much less the CPU time).
 
 A scenario that crashed keeps the cycles it completed; with none measured its numbers are missing ("-").
 """
@@ -29,6 +30,7 @@ ROWS = (
     ("demand_per_cycle", "demand-fetched numel per cycle", "int"),
     ("trace_records", "trace re-records (measured cycles)", "int"),
     ("step_ms", "median step time, ms", "ms"),
+    ("step_cpu_ms", "median step CPU time, rank 0, ms", "ms"),
     ("status", "status", "status"),
 )
 
@@ -58,6 +60,7 @@ def summarize_scenario(record: Optional[dict]) -> dict:
                                       for p in c["phases"].values()) / len(measured)
     summary["trace_records"] = sum(c["trace_records"] for c in measured)
     summary["step_ms"] = 1000.0 * statistics.median(c["seconds"] for c in measured)
+    summary["step_cpu_ms"] = 1000.0 * statistics.median(c.get("cpu_seconds", 0.0) for c in measured)
     return summary
 
 

@@ -15,7 +15,8 @@ Measured per cycle, the same way for both runtimes:
 * trace records: ours from ``deepspeed_zero3.get_zero3_stats`` (the ``trace_records`` of its passes),
   upstream by counting calls of ``PartitionedParameterCoordinator.construct_parameter_trace_from_module_trace``
   (upstream calls it once each time it completes recording a trace);
-* wall time of the cycle, between two barriers (and a device synchronize on GPUs).
+* wall time of the cycle, between two barriers (and a device synchronize on GPUs), and the CPU time
+  the rank's process spent in it (less sensitive to other load on a shared machine).
 
 A scenario that raises is recorded as ``"crash"`` with the exception's type and first line, its engines
 are destroyed, and the next scenario runs, unless the ranks disagree about the crash: then their
@@ -166,10 +167,10 @@ def run_scenario(name: str, bench: Bench, runtime: str) -> dict:
                 bench.passes.clear()
                 records_before = records.count()
                 bench.sync()
-                start = time.perf_counter()
+                start, cpu_start = time.perf_counter(), time.process_time()
                 plan.cycle(index)
                 bench.sync()
-                seconds = time.perf_counter() - start
+                seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
                 phases = meter.snapshot()
                 record["timeline"] = {phase: counts.pop("timeline") for phase, counts in phases.items()}
                 record["timeline_cycle"] = index
@@ -177,6 +178,7 @@ def run_scenario(name: str, bench: Bench, runtime: str) -> dict:
                     "index": index,
                     "measured": index >= warmup,
                     "seconds": seconds,
+                    "cpu_seconds": cpu_seconds,  # this rank's process CPU time: less sensitive to a busy machine
                     "phases": phases,
                     "passes": dict(bench.passes),
                     "trace_records": records.count() - records_before,
