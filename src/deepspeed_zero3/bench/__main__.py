@@ -245,7 +245,7 @@ def main(argv=None):
         run_meta = dict(previous.get("meta") or {}, failures=failures)
     else:
         run_meta = {
-            "command": "python -m deepspeed_zero3.bench " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "command": " ".join(["python -m deepspeed_zero3.bench", *(argv if argv is not None else sys.argv[1:])]),
             "args": vars(args),
             "date": datetime.datetime.now().isoformat(timespec="seconds"),
             "platform": platform.platform(),

@@ -146,8 +146,33 @@ def text_table(summary: Dict[str, dict], meta: dict) -> str:
     return "\n".join(out)
 
 
+def _pair(entry: dict, key: str, kind: str) -> str:
+    return f"{_cell(entry['upstream'].get(key), kind)} / {_cell(entry['ours'].get(key), kind)}"
+
+
+def _training_step_x(side: dict):
+    forward, backward = side.get("forward_x"), side.get("backward_x")
+    return None if forward is None or backward is None else forward + backward
+
+
+def markdown_overview(summary: Dict[str, dict]) -> str:
+    """One line per scenario, upstream / ours: the numbers that differ most."""
+    out = ["| scenario | peak live gathered, % of model | gathered per training step (fwd + bwd), x model "
+           "| demand-fetched numel per cycle | trace re-records | step time ours/upstream: wall, CPU | status |",
+           "|---|---:|---:|---:|---:|---:|---|"]
+    for name, entry in summary.items():
+        step = {rt: _training_step_x(entry[rt]) for rt in RUNTIMES}
+        times = ", ".join("-" if entry["ratio"].get(k) is None else f"{entry['ratio'][k]:.2f}"
+                          for k in ("step_ms", "step_cpu_ms"))
+        out.append(f"| {name} | {_pair(entry, 'peak_live_pct', 'pct')} "
+                   f"| {_cell(step['upstream'], 'x')} / {_cell(step['ours'], 'x')} "
+                   f"| {_pair(entry, 'demand_per_cycle', 'int')} | {_pair(entry, 'trace_records', 'int')} "
+                   f"| {times} | {entry['upstream'].get('status', '-')} / {entry['ours'].get('status', '-')} |")
+    return "\n".join(out) + "\n"
+
+
 def markdown_table(summary: Dict[str, dict], meta: dict) -> str:
-    out = []
+    out = ["Each cell: upstream 0.19.8 / deepspeed-zero3.", "", markdown_overview(summary)]
     for name, entry in summary.items():
         out.append(f"**{heading(name, entry, meta)}**")
         out.append("")
