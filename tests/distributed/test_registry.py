@@ -41,8 +41,9 @@ def hooks_per_model(model):
 
 def torch_hooks(model):
     """ZeRO-3 hooks found on the modules themselves (not the registry's view): bound to a HookRouter."""
-    return sum(1 for m in model.modules() for hook in list(m._forward_hooks.values()) + list(m._forward_pre_hooks.values())
-               if type(getattr(hook, "__self__", None)).__name__ == "HookRouter")
+    hooks = [getattr(hook, "_torchdynamo_orig_callable", hook)  # unwrap torch.compiler.disable
+             for m in model.modules() for hook in list(m._forward_hooks.values()) + list(m._forward_pre_hooks.values())]
+    return sum(1 for hook in hooks if type(getattr(hook, "__self__", None)).__name__ == "HookRouter")
 
 
 def all_partitioned(model):

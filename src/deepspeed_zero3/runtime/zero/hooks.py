@@ -68,15 +68,19 @@ class HookRouter:
 
     def __init__(self, coordinator):
         self.coordinator = coordinator
+        # Hooks that must not be traced by torch.compile. Wrapped here, at engine creation, not at import:
+        # torch.compiler.disable imports torch._dynamo, seconds of start-up for processes that never need it.
+        self.pre_forward_hook = torch.compiler.disable(self._pre_forward)
+        self.wrap_inputs_hook = torch.compiler.disable(self._wrap_inputs)
 
     # ---------------------------------------------------------------- installation
 
     def install_module_hooks(self, module: Module) -> List[RemovableHandle]:
         return [
-            module.register_forward_pre_hook(self._pre_forward),
+            module.register_forward_pre_hook(self.pre_forward_hook),
             module.register_forward_hook(self._post_forward, always_call=True),
             module.register_forward_hook(self._wrap_outputs),
-            module.register_forward_pre_hook(self._wrap_inputs),
+            module.register_forward_pre_hook(self.wrap_inputs_hook),
         ]
 
     def install_root_hooks(self, root: Module) -> List[RemovableHandle]:
@@ -96,7 +100,6 @@ class HookRouter:
 
     # ---------------------------------------------------------------- forward
 
-    @torch.compiler.disable
     def _pre_forward(self, module, args):
         FWD_MODULE_STACK.append(module)
         self.coordinator.fetch_sub_module(module, forward=True)
@@ -126,7 +129,6 @@ class HookRouter:
 
     # ---------------------------------------------------------------- backward
 
-    @torch.compiler.disable
     def _wrap_inputs(self, module, args):
         if not torch.is_grad_enabled():
             return None
