@@ -1,0 +1,166 @@
+"""Bitwise parity with upstream DeepSpeed 0.19.8's ZeRO-3 runtime, scenario by scenario.
+
+An ordinary single-process pytest: a module fixture launches tests/parity/scenarios.py four times, one at a
+time (ours and upstream's, at world sizes 2 and 4; upstream through the kill switch DEEPSPEED_ZERO3=0, which
+is read at import time, hence separate processes), each launch running every scenario of its world size.
+Each test then compares one scenario: losses of every rank and a sha256 of the final full parameters must be
+bitwise equal. Where upstream crashes, ours must not, and whatever upstream recorded before it crashed must
+still match; the parity test of the rest is an xfail quoting upstream's error.
+"""
+
+import ast
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+SCRIPT = HERE / "scenarios.py"
+LAUNCH_TIMEOUT_S = int(os.environ.get("ZERO3_PARITY_LAUNCH_TIMEOUT", "480"))
+RUNTIMES = ("overlay", "upstream")
+WORLDS = (2, 4)
+
+
+def scenario_names():
+    """{world: [names]} read from scenarios.py's SCENARIOS without importing it (no torch at collection)."""
+    tree = ast.parse(SCRIPT.read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "SCENARIOS" for t in node.targets):
+            return {key.value: [elt.id for elt in value.elts] for key, value in zip(node.value.keys, node.value.values)}
+    raise AssertionError("scenarios.py has no SCENARIOS dict")
+
+
+SCENARIOS = scenario_names()
+CASES = [(world, name) for world in WORLDS for name in SCENARIOS[world]]
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launch(runtime: str, world: int, out_dir: Path) -> dict:
+    """One launcher run of every scenario of ``world``; returns its results (possibly partial) and its log."""
+    out = out_dir / f"{runtime}_w{world}.json"
+    log = out_dir / f"{runtime}_w{world}.log"
+    env = dict(os.environ)
+    env.update(DS_ACCELERATOR="cpu", LOCAL_SIZE=str(world), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    env["DEEPSPEED_ZERO3"] = "0" if runtime == "upstream" else "1"
+    launcher = Path(sys.executable).parent / "deepspeed"
+    command = [str(launcher), "--num_gpus", str(world), "--master_port", str(free_port()), str(SCRIPT), "--out",
+               str(out), "--world", str(world)]
+    start = time.time()
+    with open(log, "w") as log_file:
+        proc = subprocess.Popen(command, env=env, stdout=log_file, stderr=subprocess.STDOUT, cwd=HERE.parent.parent,
+                                start_new_session=True)
+        try:
+            rc = proc.wait(timeout=LAUNCH_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)  # the launcher and its ranks, nothing else
+            proc.wait()
+            rc = "timeout"
+    results = json.loads(out.read_text()) if out.exists() else {}
+    return {"results": results, "rc": rc, "seconds": round(time.time() - start, 1), "log": log}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, pytestconfig):
+    out_dir = tmp_path_factory.mktemp("parity")
+    reporter = pytestconfig.pluginmanager.get_plugin("terminalreporter")
+    capture = pytestconfig.pluginmanager.get_plugin("capturemanager")
+    done = {}
+    for world in WORLDS:
+        for runtime in RUNTIMES:
+            run = done[runtime, world] = launch(runtime, world, out_dir)
+            if reporter is not None and capture is not None:
+                statuses = [r.get("status") for n, r in run["results"].items() if n != "_meta"]
+                with capture.global_and_fixture_disabled():
+                    reporter.write_line(f"parity launch {runtime} w{world}: {run['seconds']} s, rc {run['rc']}, "
+                                        f"{statuses.count('ok')}/{len(SCENARIOS[world])} ok; log {run['log']}")
+    return done
+
+
+def log_tail(run, lines=40) -> str:
+    text = Path(run["log"]).read_text(errors="replace").splitlines()
+    return "\n".join(text[-lines:])
+
+
+def record_of(run, name):
+    return run["results"].get(name)
+
+
+def first_difference(ours, theirs):
+    for index, (a, b) in enumerate(zip(ours, theirs)):
+        if a != b:
+            return f"first differing loss at index {index}: ours {float.fromhex(a)!r} upstream {float.fromhex(b)!r}"
+    if len(ours) != len(theirs):
+        return f"{len(ours)} losses here, {len(theirs)} upstream"
+    return "losses equal"
+
+
+@pytest.mark.parametrize("world,name", CASES, ids=[f"w{w}-{n}" for w, n in CASES])
+def test_parity(runs, world, name):
+    ours_run, upstream_run = runs["overlay", world], runs["upstream", world]
+    ours = record_of(ours_run, name)
+    assert ours is not None, (f"our run (rc {ours_run['rc']}) recorded nothing for {name}:\n{log_tail(ours_run)}")
+    assert ours["runtime"] == "overlay"
+    assert ours["status"] == "ok", f"{name} crashed with our runtime: {ours['error']}\n{log_tail(ours_run)}"
+    assert len(ours["losses"]) >= 5 and ours["params_sha256"]
+    if "resumed_equals_continued" in ours:
+        assert ours["resumed_equals_continued"] is True
+
+    theirs = record_of(upstream_run, name)
+    if theirs is None:
+        pytest.xfail(f"upstream (rc {upstream_run['rc']}) did not complete {name}: {log_tail(upstream_run, 5)}")
+    assert theirs["runtime"] == "upstream"
+    if theirs["status"] != "ok":
+        # What upstream did before it crashed must still match, rank by rank.
+        for rank, (a, b) in enumerate(zip(ours["losses_by_rank"], theirs.get("losses_by_rank") or [])):
+            assert a[:len(b)] == b, f"rank {rank}, before upstream's crash: {first_difference(a, b)}"
+        pytest.xfail(f"upstream {theirs['status']}: {theirs['error']}")
+
+    assert ours["losses_by_rank"] == theirs["losses_by_rank"], "; ".join(
+        f"rank {rank}: {first_difference(a, b)}"
+        for rank, (a, b) in enumerate(zip(ours["losses_by_rank"], theirs["losses_by_rank"])) if a != b)
+    assert ours["losses"] == theirs["losses"]
+    assert ours["params_sha256"] == theirs["params_sha256"], "final parameters differ (losses equal)"
+    for key in ("continued_params_sha256", "losses_continued", "losses_resumed", "resumed_equals_continued", "tied"):
+        if key in theirs:
+            assert ours[key] == theirs[key], key
+    if "resumed_equals_continued" in theirs:
+        assert theirs["resumed_equals_continued"] is True
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_runs_used_the_intended_runtime(runs, world):
+    ours = runs["overlay", world]["results"].get("_meta")
+    theirs = runs["upstream", world]["results"].get("_meta")
+    assert ours is not None and theirs is not None, (log_tail(runs["overlay", world]),
+                                                     log_tail(runs["upstream", world]))
+    for module in ("parameter_offload", "partitioned_param_coordinator"):
+        assert "deepspeed_zero3" in ours[module], ours
+        assert "deepspeed_zero3" not in theirs[module], theirs
+        assert f"deepspeed{os.sep}runtime{os.sep}zero" in theirs[module], theirs
+    assert ours["runtime"] == "overlay" and theirs["runtime"] == "upstream"
+    assert ours["world"] == theirs["world"] == world
+    assert ours["deepspeed"] == theirs["deepspeed"]
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_every_scenario_recorded(runs, world):
+    """Both launches ran to the end: each recorded every scenario (a crash is a record; a hang is not)."""
+    for runtime in RUNTIMES:
+        run = runs[runtime, world]
+        missing = [n for n in SCENARIOS[world] if n not in run["results"]]
+        skipped = [n for n in SCENARIOS[world] if run["results"].get(n, {}).get("status") == "skipped"]
+        if runtime == "overlay":
+            assert not missing and not skipped, (runtime, world, missing, skipped, log_tail(run))
+            assert run["rc"] == 0, (run["rc"], log_tail(run))
+        elif missing or skipped:
+            pytest.xfail(f"upstream w{world} did not record {missing + skipped}")
