@@ -11,22 +11,11 @@ import torch
 
 import deepspeed_zero3
 from deepspeed_zero3.runtime.zero.param_registry import find_registry
-from deepspeed_zero3.testing.engines import (batch, inference_engine, mse_loss, train_step, training_engine,
+from deepspeed_zero3.testing.engines import (batch, inference_engine, train_step, training_engine,
                                              zero3_config)
-from deepspeed_zero3.testing.models import model_b
+from deepspeed_zero3.testing.models import Wrapper, model_b
 
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
-
-
-class Wrapper(torch.nn.Module):
-    """What Lightning does: a fresh wrapper module around the user's model for every engine."""
-
-    def __init__(self, inner):
-        super().__init__()
-        self.module = inner
-
-    def forward(self, x):
-        return self.module(x)
 
 
 def zero_hooks(model):

@@ -13,7 +13,7 @@ from typing import Callable, List, Optional
 
 import torch
 
-from deepspeed_zero3.testing.models import TinyGPT, model_a, model_b
+from deepspeed_zero3.testing.models import TinyGPT, Wrapper, model_a, model_b
 
 GENERATION_STEPS = 16  # no-grad forwards per generation cycle
 PROMPT = (4, 4)  # batch, prompt length (it grows to 4 + 16 tokens)
@@ -30,17 +30,6 @@ class Plan:
     warmup: Optional[int] = None  # None: the --warmup flag
     measured: Optional[int] = None  # None: the --steps flag
     numel: int = 0  # model size; set by the worker once the engine has partitioned it
-
-
-class Wrapper(torch.nn.Module):
-    """What Lightning does: a fresh wrapper module around the user's model for every engine."""
-
-    def __init__(self, inner):
-        super().__init__()
-        self.module = inner
-
-    def forward(self, x):
-        return self.module(x)
 
 
 def _mlp(bench, **kwargs):

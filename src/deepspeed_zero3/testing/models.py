@@ -110,6 +110,17 @@ class TinyGPT(nn.Module):
         return nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
 
 
+class Wrapper(nn.Module):
+    """What Lightning does: a fresh wrapper module around the user's model for every engine."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.module = inner
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+
 def count_params(model: nn.Module) -> int:
     """Parameter count, also for a model already partitioned by ZeRO-3 (``ds_numel``)."""
     return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())

@@ -23,33 +23,22 @@ from deepspeed.runtime.zero.utils import apply_to_tensors_only, is_zero_param
 from deepspeed_zero3.runtime.zero.ordered_dict import FWD_MODULE_STACK
 
 
-class PreBackwardHook(torch.autograd.Function):
-    """Identity on a module output; its backward fetches the module's parameters before the module's backward."""
+class BackwardHook(torch.autograd.Function):
+    """Identity on a tensor whose backward calls ``callback(module)`` when the tensor's gradient arrives.
+
+    On a module output, the callback fetches the module's parameters before its backward (pre-backward);
+    on a module input, it counts the input gradients, the last of which ends the module's backward.
+    """
 
     @staticmethod
-    def forward(ctx, router, module, tensor):
-        ctx.router = router
+    def forward(ctx, callback, module, tensor):
+        ctx.callback = callback
         ctx.module = module
         return tensor.detach()
 
     @staticmethod
     def backward(ctx, grad):
-        ctx.router.pre_backward(ctx.module)
-        return None, None, grad
-
-
-class PostBackwardHook(torch.autograd.Function):
-    """Identity on a module input; when the last input gradient is computed, the module's backward is done."""
-
-    @staticmethod
-    def forward(ctx, router, module, tensor):
-        ctx.router = router
-        ctx.module = module
-        return tensor.detach()
-
-    @staticmethod
-    def backward(ctx, grad):
-        ctx.router.input_grad_done(ctx.module)
+        ctx.callback(ctx.module)
         return None, None, grad
 
 
@@ -137,7 +126,7 @@ class HookRouter:
             if not tensor.requires_grad:
                 return tensor
             self.coordinator.expect_input_grad(module)
-            return PostBackwardHook.apply(self, module, tensor)
+            return BackwardHook.apply(self.input_grad_done, module, tensor)
 
         self.coordinator.begin_module_grad_count(module)
         return apply_to_tensors_only(wrap, args, warning_msg_fn=_unexpected_type_warning)
@@ -149,7 +138,7 @@ class HookRouter:
         def wrap(tensor):
             if not tensor.requires_grad:
                 return tensor
-            return PreBackwardHook.apply(self, module, tensor)
+            return BackwardHook.apply(self.pre_backward, module, tensor)
 
         return apply_to_tensors_only(wrap, output, warning_msg_fn=_unexpected_type_warning)
 

@@ -227,14 +227,18 @@ class PartitionedParameterCoordinator:
             if self.root_depth == 0 and self.phase is PassPhase.FORWARD:
                 self.end_forward_pass(aborted=aborted)
 
+    def _end_open_pass(self) -> None:
+        """Close a pass whose closing hook never came, and release everything gathered."""
+        if self.phase is PassPhase.FORWARD:
+            self.end_forward_pass(aborted=True)
+        elif self.phase is PassPhase.BACKWARD:
+            # A backward that ran without engine.backward()'s epilogue.
+            self.end_backward_pass()
+        self.release_all_ours(keep=())
+
     def begin_forward_pass(self) -> None:
         with self.lock:
-            if self.phase is PassPhase.FORWARD:
-                self.end_forward_pass(aborted=True)
-            elif self.phase is PassPhase.BACKWARD:
-                # A backward that ran without engine.backward()'s epilogue.
-                self.end_backward_pass()
-            self.release_all_ours(keep=())
+            self._end_open_pass()
             kind = PassKind.FORWARD if torch.is_grad_enabled() else PassKind.EVAL_FORWARD
             guess = self.traces.most_recent(kind)
             self._begin_pass(PassPhase.FORWARD, kind, guess)
@@ -483,12 +487,8 @@ class PartitionedParameterCoordinator:
     def reset_step(self) -> None:
         """End whatever pass is running and release everything gathered (upstream's end-of-step call)."""
         with self.lock:
-            if self.phase is PassPhase.FORWARD:
-                self.end_forward_pass(aborted=True)
-            elif self.phase is PassPhase.BACKWARD:
-                self.end_backward_pass()
+            self._end_open_pass()
             self.root_depth = 0
-            self.release_all_ours(keep=())
 
     @torch.no_grad()
     def release_backward_leftovers(self) -> None:
