@@ -1,0 +1,74 @@
+"""Launching the flow scripts from the pytest process (used by conftest.py and the tests)."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+# ZERO3_INTEGRATION_AGAINST_UPSTREAM=1 runs the flows meant for our runtime with the kill switch
+# instead, and skips the tests that compare the two: it shows which checks upstream fails.
+AGAINST_UPSTREAM = os.environ.get("ZERO3_INTEGRATION_AGAINST_UPSTREAM") == "1"
+MAIN_RUNTIME = "upstream" if AGAINST_UPSTREAM else "overlay"
+LAUNCH_TIMEOUT_S = int(os.environ.get("ZERO3_INTEGRATION_LAUNCH_TIMEOUT", "420"))
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Launch:
+    """One torchrun launch of a flow script; ``result(flow, rank)`` reads what that rank wrote."""
+
+    def __init__(self, out: Path, returncode: int, log: Path):
+        self.out, self.returncode, self.log = out, returncode, log
+
+    def result(self, flow: str, rank: int = 0) -> dict:
+        path = self.out / f"{flow}.rank{rank}.json"
+        if not path.exists():
+            raise AssertionError(f"{flow}: rank {rank} wrote no result (launcher exit {self.returncode});\n"
+                                 f"log tail:\n{self.log_tail()}")
+        with open(path) as handle:
+            return json.load(handle)
+
+    def results(self, flow: str):
+        return [self.result(flow, rank) for rank in (0, 1)]
+
+    def params(self, flow: str):
+        import torch
+
+        return torch.load(self.out / f"{flow}.params.pt")
+
+    def log_tail(self, chars: int = 6000) -> str:
+        return self.log.read_text(errors="replace")[-chars:] if self.log.exists() else "(no log)"
+
+
+def launch(script: str, flows, out: Path, upstream: bool) -> Launch:
+    """Run ``script --flows ...`` on 2 ranks; upstream=True sets the kill switch DEEPSPEED_ZERO3=0."""
+    out.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ)
+    env.setdefault("DS_ACCELERATOR", "cpu")
+    env["DEEPSPEED_ZERO3"] = "0" if upstream else "1"
+    env["PYTHONUNBUFFERED"] = "1"
+    env.pop("RANK", None), env.pop("WORLD_SIZE", None), env.pop("LOCAL_RANK", None)
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+               str(free_port()), str(HERE / script), "--out", str(out), "--flows", ",".join(flows)]
+    log = out / "launch.log"
+    with open(log, "w") as handle:
+        process = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, env=env, cwd=str(HERE),
+                                   start_new_session=True)
+        try:
+            returncode = process.wait(timeout=LAUNCH_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+            raise AssertionError(f"{script} {flows} ran past {LAUNCH_TIMEOUT_S}s; log tail:\n"
+                                 f"{log.read_text(errors='replace')[-6000:]}")
+    return Launch(out, returncode, log)
+
+

@@ -1,0 +1,95 @@
+"""Plain-PyTorch references: one process, no DeepSpeed, no Lightning, no Trainer.
+
+What "the same" means for ZeRO-3 on 2 ranks: both ranks start from the same weights (same seed);
+at each training step rank r computes the mean loss of its own batch, and DeepSpeed averages the
+two ranks' gradients (reduce-scatter) before the partitioned optimizer step. The reference does
+that in one process: it computes both ranks' losses with the full model, backpropagates their mean,
+and takes one step of the same torch optimizer (same hyper-parameters, same gradient clipping) on
+the full parameters. Each rank's loss at each step is compared with the reference's loss for that
+rank's batch; validation/evaluation batches are plain forwards without grad.
+
+Not bitwise: DeepSpeed sums the two ranks' gradients in a different order (and in flat,
+partitioned buffers) than autograd does for the mean loss, so gradients differ in the last bits;
+Adam carries that into the weights. The tests use a relative tolerance of 1e-5 (observed: a few
+1e-7), far below any real divergence (a skipped or doubled step, a stale gather, wrong data or a
+wrong mode changes losses by 1e-2 or more).
+"""
+
+import torch
+
+from common import WORLD, make_net, net_loss, sample, token_sample
+
+
+def replay_lightning(events_by_rank, frozen_mid=False):
+    """The losses each rank should have seen, for the sequence of events the flow reported.
+
+    ``events_by_rank[r]`` is rank r's list of events (same kinds, in the same order, on every rank).
+    Returns ``[losses of rank 0, losses of rank 1]`` in event order (optimizer events skipped) and the
+    final parameters.
+    """
+    kinds = [[e["kind"] for e in events] for events in events_by_rank]
+    assert all(k == kinds[0] for k in kinds), f"ranks report different event sequences: {kinds}"
+    net = make_net(frozen_mid=frozen_mid)
+    optimizer = None
+    expected = [[] for _ in range(WORLD)]
+    for position, kind in enumerate(kinds[0]):
+        if kind == "optimizer":
+            optimizer = torch.optim.Adam([p for p in net.parameters() if p.requires_grad], lr=1e-3)
+            continue
+        batches = []
+        for rank in range(WORLD):
+            ids = events_by_rank[rank][position]["ids"]
+            xs, ys = zip(*(sample("train" if kind == "train" else "val", rank, i) for i in ids))
+            batches.append((torch.stack(xs), torch.stack(ys)))
+        if kind == "val":
+            with torch.no_grad():
+                for rank, (x, y) in enumerate(batches):
+                    expected[rank].append(net_loss(net(x), y).item())
+            continue
+        assert kind == "train", kind
+        losses = [net_loss(net(x), y) for x, y in batches]
+        optimizer.zero_grad()
+        (sum(losses) / WORLD).backward()
+        optimizer.step()
+        for rank, loss in enumerate(losses):
+            expected[rank].append(loss.item())
+    return expected, {name: p.detach().clone() for name, p in net.named_parameters()}
+
+
+def replay_hf(events_by_rank, lr=1e-3, max_grad_norm=1.0):
+    """Same for the Hugging Face flows: events carry the token ids of each rank's batch.
+
+    The Trainer's defaults are reproduced: AdamW (weight decay 0), a constant learning rate
+    (the flows ask for ``lr_scheduler_type="constant"``) and gradient clipping at norm 1.0, which
+    DeepSpeed applies to the averaged gradient ("gradient_clipping": "auto" -> max_grad_norm).
+    """
+    from common import make_llama
+
+    kinds = [[e["kind"] for e in events] for events in events_by_rank]
+    assert all(k == kinds[0] for k in kinds), f"ranks report different event sequences: {kinds}"
+    model = make_llama()
+    model.train()
+    optimizer = None
+    expected = [[] for _ in range(WORLD)]
+    for position, kind in enumerate(kinds[0]):
+        if kind == "optimizer":
+            optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+            continue
+        inputs = [torch.tensor(events_by_rank[rank][position]["input_ids"]) for rank in range(WORLD)]
+        if kind == "eval":
+            with torch.no_grad():
+                for rank, ids in enumerate(inputs):
+                    expected[rank].append(model(input_ids=ids, labels=ids).loss.item())
+            continue
+        assert kind == "train", kind
+        losses = [model(input_ids=ids, labels=ids).loss for ids in inputs]
+        optimizer.zero_grad()
+        (sum(losses) / WORLD).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+        optimizer.step()
+        for rank, loss in enumerate(losses):
+            expected[rank].append(loss.item())
+    return expected
+
+
+__all__ = ["replay_lightning", "replay_hf", "token_sample"]
