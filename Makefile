@@ -16,7 +16,7 @@ export PYTHONUNBUFFERED := 1
 LAUNCH = $(BIN)/deepspeed --num_gpus $(NPROC) --master_port $(PORT)
 DIST_PYTEST = --no_local_rank --module pytest -q -p no:cacheprovider
 
-.PHONY: venv demo test test-unit test-parity test-distributed test-world4 bench clean-locks clean
+.PHONY: venv venv-int demo test test-unit test-parity test-distributed test-world4 test-integration bench clean-locks clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,25 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml setup.py $(shell find src -name
 	touch $@
 
 venv: $(VENV)/.installed
+
+# tests/integration runs the real client libraries (Lightning, transformers, accelerate) in a venv of
+# its own, built the same way, then the pinned libraries with torch and deepspeed held by constraints.
+INT_VENV ?= .venv-int
+INT_BIN := $(INT_VENV)/bin
+INT_DIR := tests/integration
+
+$(INT_BIN)/python:
+	$(PYTHON) -m venv $(INT_VENV)
+	$(INT_BIN)/pip install -q --upgrade pip
+
+$(INT_VENV)/.installed: $(INT_BIN)/python pyproject.toml setup.py $(INT_DIR)/requirements.txt $(INT_DIR)/constraints.txt $(shell find src -name '*.py' -o -name '*.pth')
+	$(INT_BIN)/pip install -q torch==2.13.0
+	$(INT_BIN)/pip install -q deepspeed==0.19.8
+	$(INT_BIN)/pip install -q ".[test]"
+	$(INT_BIN)/pip install -q -c $(INT_DIR)/constraints.txt -r $(INT_DIR)/requirements.txt
+	touch $@
+
+venv-int: $(INT_VENV)/.installed
 
 # A build killed midway leaves a lock that makes the next start wait forever.
 clean-locks:
@@ -53,8 +72,13 @@ test-distributed: venv clean-locks
 bench: venv clean-locks
 	$(BIN)/python -m deepspeed_zero3.bench $(BENCH_ARGS)
 
+# Its own torch extensions cache: one shared with .venv would be rebuilt (minutes) at every switch.
+test-integration: export TORCH_EXTENSIONS_DIR := $(CURDIR)/.torch_extensions-int
+test-integration: venv-int clean-locks
+	$(INT_BIN)/python -m pytest -q $(INT_DIR)
+
 test-world4: venv clean-locks
 	LOCAL_SIZE=4 $(BIN)/deepspeed --num_gpus 4 --master_port $(PORT) $(DIST_PYTEST) -m world_size tests/distributed
 
 clean:
-	rm -rf $(VENV) build dist src/*.egg-info .torch_extensions demo-out
+	rm -rf $(VENV) $(INT_VENV) build dist src/*.egg-info .torch_extensions .torch_extensions-int demo-out
