@@ -6,6 +6,7 @@ Lightning fresh-wrapper pattern with `AssertionError ... 'status': 'INFLIGHT'`.
 
 import gc
 
+import psutil
 import pytest
 import torch
 
@@ -208,6 +209,7 @@ def test_create_use_drop_cycles_stay_flat():
     torch.manual_seed(0)
     model = model_b()
     baseline_hooks = torch_hooks(model)
+    rss = []
     for cycle in range(200):
         engine = inference_engine(Wrapper(model), CONFIG)
         with torch.no_grad():
@@ -217,3 +219,9 @@ def test_create_use_drop_cycles_stay_flat():
             gc.collect()
             assert torch_hooks(model) == baseline_hooks, cycle
             assert find_registry(model) is None and all_partitioned(model)
+            rss.append(psutil.Process().memory_info().rss)
+    # Flat after warm-up: the last 150 cycles may not grow the process by more than 20 MB
+    # (the allocator keeps some slack; a leaked engine per cycle would be far more).
+    growth = rss[-1] - rss[0]
+    print(f"[rank {rank()}] RSS at cycles 50/100/150/200: {[r // 2**20 for r in rss]} MiB, growth {growth / 2**20:.1f} MiB")
+    assert growth < 20 * 2**20, rss
