@@ -121,6 +121,7 @@ def main():
     parser.add_argument("--out", required=True)
     parser.add_argument("--flows", required=True)
     args = parser.parse_args()
+    os.makedirs(args.out, exist_ok=True)
     torch.set_num_threads(1)
     for name in args.flows.split(","):
         faulthandler.dump_traceback_later(FLOW_TIMEOUT_S, exit=True)

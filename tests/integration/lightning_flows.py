@@ -48,15 +48,19 @@ class RankData(torch.utils.data.Dataset):
 class FlowModule(pl.LightningModule):
     """Steps call the submodule (`self.net(x)`), the common Lightning pattern."""
 
-    def __init__(self, frozen_mid=False):
+    def __init__(self, frozen_mid=False, call_self=False):
         super().__init__()
         self.net = make_net(frozen_mid=frozen_mid)
         self.frozen_mid = frozen_mid
+        self.call_self = call_self
         self.events = []
+
+    def forward(self, x):
+        return self.net(x)
 
     def _step(self, kind, batch):
         x, y, ids = batch
-        loss = net_loss(self.net(x), y)
+        loss = net_loss(self(x) if self.call_self else self.net(x), y)
         self.events.append({"kind": kind, "ids": ids.tolist(), "loss": loss.item(), "mid_training": self.net.mid.training,
                             "grad_enabled": torch.is_grad_enabled()})
         return loss
@@ -97,6 +101,12 @@ def validate_fit_1(model):
     t.fit(model)
 
 
+def validate_fit_1_call_self(model):
+    """validate_fit_1 with steps that call `self(x)`: the LightningModule, which is the engines' root module,
+    is entered a second time inside each step (Lightning runs the step through the root's forward)."""
+    validate_fit_1(model)
+
+
 def validate_fit_3(model):
     t = trainer(limit_val_batches=3)
     t.validate(model, verbose=False)
@@ -130,7 +140,7 @@ def validate_fit_validate_fit(model):
         t.fit(model)
 
 
-FLOWS = {f.__name__: f for f in (validate_fit_1, validate_fit_3, frozen_mid, sanity_interval, fit_fit,
+FLOWS = {f.__name__: f for f in (validate_fit_1, validate_fit_1_call_self, validate_fit_3, frozen_mid, sanity_interval, fit_fit,
                                  validate_fit_validate_fit)}
 
 
@@ -148,10 +158,11 @@ def main():
     parser.add_argument("--out", required=True)
     parser.add_argument("--flows", required=True)
     args = parser.parse_args()
+    os.makedirs(args.out, exist_ok=True)
     torch.set_num_threads(1)
     for name in args.flows.split(","):
         faulthandler.dump_traceback_later(FLOW_TIMEOUT_S, exit=True)
-        model = FlowModule(frozen_mid=(name == "frozen_mid"))
+        model = FlowModule(frozen_mid=(name == "frozen_mid"), call_self=name.endswith("_call_self"))
         try:
             FLOWS[name](model)
             save_params(model, os.path.join(args.out, f"{name}.params.pt"))
