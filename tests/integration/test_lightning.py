@@ -9,7 +9,7 @@ Upstream's crash needs steps that call a submodule (`self.net(x)`), as the flows
 that call `self(x)` (validate_fit_1_call_self) the root module is entered twice per step and
 upstream's root pre-hook calls reset_step twice: the second call closes the trace before any
 module is recorded, the first module of the step then invalidates that empty trace, and upstream
-never holds a recorded trace, so never reaches the code that crashes (nor prefetches anything).
+never holds a recorded trace, so never reaches the code that crashes.
 """
 
 import pytest
