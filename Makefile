@@ -30,24 +30,15 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml setup.py $(shell find src -name
 
 venv: $(VENV)/.installed
 
-# tests/integration runs the real client libraries (Lightning, transformers, accelerate) in a venv of
-# its own, built the same way, then the pinned libraries with torch and deepspeed held by constraints.
-INT_VENV ?= .venv-int
-INT_BIN := $(INT_VENV)/bin
+# tests/integration runs the real client libraries (Lightning, transformers, accelerate): installed
+# into the same venv afterwards, pinned, with torch and deepspeed held where they are by constraints.
 INT_DIR := tests/integration
 
-$(INT_BIN)/python:
-	$(PYTHON) -m venv $(INT_VENV)
-	$(INT_BIN)/pip install -q --upgrade pip
-
-$(INT_VENV)/.installed: $(INT_BIN)/python pyproject.toml setup.py $(INT_DIR)/requirements.txt $(INT_DIR)/constraints.txt $(shell find src -name '*.py' -o -name '*.pth')
-	$(INT_BIN)/pip install -q torch==2.13.0
-	$(INT_BIN)/pip install -q deepspeed==0.19.8
-	$(INT_BIN)/pip install -q ".[test]"
-	$(INT_BIN)/pip install -q -c $(INT_DIR)/constraints.txt -r $(INT_DIR)/requirements.txt
+$(VENV)/.installed-int: $(VENV)/.installed $(INT_DIR)/requirements.txt $(INT_DIR)/constraints.txt
+	$(BIN)/pip install -q -c $(INT_DIR)/constraints.txt -r $(INT_DIR)/requirements.txt
 	touch $@
 
-venv-int: $(INT_VENV)/.installed
+venv-int: $(VENV)/.installed-int
 
 # A build killed midway leaves a lock that makes the next start wait forever.
 clean-locks:
@@ -56,7 +47,7 @@ clean-locks:
 demo: venv clean-locks
 	$(LAUNCH) examples/train_gpt.py
 
-test: test-unit test-parity test-distributed test-world4
+test: test-unit test-parity test-distributed test-world4 test-integration
 
 test-unit: venv
 	$(BIN)/python -m pytest -q tests/unit
@@ -72,13 +63,11 @@ test-distributed: venv clean-locks
 bench: venv clean-locks
 	$(BIN)/python -m deepspeed_zero3.bench $(BENCH_ARGS)
 
-# Its own torch extensions cache: one shared with .venv would be rebuilt (minutes) at every switch.
-test-integration: export TORCH_EXTENSIONS_DIR := $(CURDIR)/.torch_extensions-int
 test-integration: venv-int clean-locks
-	$(INT_BIN)/python -m pytest -q $(INT_DIR)
+	$(BIN)/python -m pytest -q $(INT_DIR)
 
 test-world4: venv clean-locks
 	LOCAL_SIZE=4 $(BIN)/deepspeed --num_gpus 4 --master_port $(PORT) $(DIST_PYTEST) -m world_size tests/distributed
 
 clean:
-	rm -rf $(VENV) $(INT_VENV) build dist src/*.egg-info .torch_extensions .torch_extensions-int demo-out
+	rm -rf $(VENV) build dist src/*.egg-info .torch_extensions demo-out

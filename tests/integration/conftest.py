@@ -6,8 +6,8 @@ test says so, once with upstream's (DEEPSPEED_ZERO3=0). Results come back as JSO
 
 With ZERO3_INTEGRATION_AGAINST_UPSTREAM=1 the checks meant for our runtime run against upstream.
 
-They need the libraries in tests/integration/requirements.txt: `make test-integration` builds
-.venv-int with them. Without them, the whole directory is skipped.
+They need the libraries in tests/integration/requirements.txt: `make test-integration` installs
+them into .venv. Without them, the whole directory is skipped.
 """
 
 import importlib.util
