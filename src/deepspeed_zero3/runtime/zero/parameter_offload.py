@@ -17,6 +17,7 @@ from deepspeed.runtime.zero.utils import is_zero_param
 from deepspeed.accelerator import get_accelerator
 
 from deepspeed_zero3.runtime.zero.gather import InflightParamRegistry
+from deepspeed_zero3.runtime.zero.hooks import handle_is_live
 from deepspeed_zero3.runtime.zero.ordered_dict import (FWD_MODULE_STACK, ZeROOrderedDict, ensure_zero_ordered_dict,
                                                        inject_zero_ordered_dicts)
 from deepspeed_zero3.runtime.zero.param_registry import ParamStateRegistry, find_registry
@@ -199,7 +200,8 @@ class DeepSpeedZeRoOffload:
 
     @property
     def forward_hooks(self):
-        return [h for hs in self.registry.module_hooks.values() for h in hs[:2]]
+        # Live handles only: upstream's unwrap_model_for_generation removes them and checks the list is empty.
+        return [h for hs in self.registry.module_hooks.values() for h in hs[:2] if handle_is_live(h)]
 
     @forward_hooks.setter
     def forward_hooks(self, handles):
@@ -208,7 +210,7 @@ class DeepSpeedZeRoOffload:
 
     @property
     def backward_hooks(self):
-        return [h for hs in self.registry.module_hooks.values() for h in hs[2:]]
+        return [h for hs in self.registry.module_hooks.values() for h in hs[2:] if handle_is_live(h)]
 
     @backward_hooks.setter
     def backward_hooks(self, handles):
