@@ -1,7 +1,6 @@
 """PassPrefetcher planning over a hand-built trace: window, live cap, whole modules, claims, reached, rebase."""
 
 import pytest
-import torch
 from torch import nn
 
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
@@ -9,30 +8,12 @@ from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 from deepspeed_zero3.runtime.zero.prefetch import PassPrefetcher
 from deepspeed_zero3.runtime.zero.stats import PassKind
 from deepspeed_zero3.runtime.zero.trace import PassTrace
+from zero_fakes import zmodule, zparam
 
 NOT_AVAILABLE = ZeroParamStatus.NOT_AVAILABLE
 AVAILABLE = ZeroParamStatus.AVAILABLE
 INFLIGHT = ZeroParamStatus.INFLIGHT
 UNLIMITED = 10**12
-
-
-def zparam(ds_id, numel, status=NOT_AVAILABLE, persist=False):
-    param = nn.Parameter(torch.zeros(numel))
-    param.ds_id = ds_id
-    param.ds_numel = numel
-    param.ds_status = status
-    param.ds_persist = persist
-    return param
-
-
-def zmodule(ds_id, *params, external=()):
-    module = nn.Module()
-    module.ds_id = ds_id
-    for index, param in enumerate(params):
-        module.register_parameter(f"p{index}", param)
-    if external:
-        module.ds_external_parameters = lambda: [(f"ext{i}", p) for i, p in enumerate(external)]
-    return module
 
 
 def persistent(param):

@@ -1,29 +1,10 @@
 """PassTrace, TraceCache and PassProgress over small real modules with hand-set ds_ids and numels."""
 
 import pytest
-import torch
-from torch import nn
 
 from deepspeed_zero3.runtime.zero.stats import PassKind
 from deepspeed_zero3.runtime.zero.trace import (PassProgress, PassTrace, ReplayState, StepOutcome, TraceCache)
-
-
-def zparam(ds_id, numel):
-    param = nn.Parameter(torch.zeros(numel))
-    param.ds_id = ds_id
-    param.ds_numel = numel
-    return param
-
-
-def zmodule(ds_id, *params, external=()):
-    """A module owning ``params`` (registered in the order given) and fetching ``external`` as external params."""
-    module = nn.Module()
-    module.ds_id = ds_id
-    for index, param in enumerate(params):
-        module.register_parameter(f"p{index}", param)
-    if external:
-        module.ds_external_parameters = lambda: [(f"ext{i}", p) for i, p in enumerate(external)]
-    return module
+from zero_fakes import zmodule, zparam
 
 
 @pytest.fixture
