@@ -156,16 +156,21 @@ def whole_model_eval(run: Run, args):
     run.hash_params(model)
 
 
-def train_eval_alternation(run: Run, args):
-    """Train step, no-grad eval forward, repeated; a last train step (see gathered_after_eval_forward)."""
-    torch.manual_seed(5)
-    model = model_b()
-    engine = run.engine(training_engine(model, zero3_config(**PREFETCH)))
+def alternate_train_eval(run: Run, engine) -> None:
+    """STEPS times: a training step, then a no-grad eval forward; both losses recorded."""
     for step in range(STEPS):
         engine.train()
         run.loss(train_step(engine, x(step)))
         engine.eval()
         run.loss(eval_loss(engine, 100 + step))
+
+
+def train_eval_alternation(run: Run, args):
+    """Train step, no-grad eval forward, repeated; a last train step (see gathered_after_eval_forward)."""
+    torch.manual_seed(5)
+    model = model_b()
+    engine = run.engine(training_engine(model, zero3_config(**PREFETCH)))
+    alternate_train_eval(run, engine)
     engine.train()
     run.loss(train_step(engine, x(STEPS)))
     run.hash_params(model)
@@ -180,11 +185,7 @@ def gathered_after_eval_forward(run: Run, args):
     torch.manual_seed(17)
     model = model_b()
     engine = run.engine(training_engine(model, zero3_config(**PREFETCH)))
-    for step in range(STEPS):
-        engine.train()
-        run.loss(train_step(engine, x(step)))
-        engine.eval()
-        run.loss(eval_loss(engine, 100 + step))
+    alternate_train_eval(run, engine)
     run.hash_params(model)
 
 
@@ -193,11 +194,7 @@ def training_only_branch(run: Run, args):
     torch.manual_seed(6)
     model = model_b(training_branch=True)
     engine = run.engine(training_engine(model, zero3_config(**PREFETCH)))
-    for step in range(STEPS):
-        engine.train()
-        run.loss(train_step(engine, x(step)))
-        engine.eval()
-        run.loss(eval_loss(engine, 100 + step))
+    alternate_train_eval(run, engine)
     run.hash_params(model)
 
 
@@ -274,11 +271,7 @@ def z3_leaf_modules(run: Run, args):
     leaves = deepspeed.utils.set_z3_leaf_modules(model, [ResidualMLPBlock])
     assert len(leaves) == len(model.blocks)
     engine = run.engine(training_engine(model, zero3_config(**PREFETCH)))
-    for step in range(STEPS):
-        engine.train()
-        run.loss(train_step(engine, x(step)))
-        engine.eval()
-        run.loss(eval_loss(engine, 100 + step))
+    alternate_train_eval(run, engine)
     engine.train()
     run.loss(train_step(engine, x(STEPS)))
     run.hash_params(model)
