@@ -4,6 +4,7 @@ Nothing here imports Lightning, transformers or DeepSpeed: the plain-PyTorch ref
 none of them.
 """
 
+import argparse
 import json
 import os
 import traceback
@@ -110,3 +111,28 @@ def crash_record(exc: BaseException) -> dict:
         "error": str(exc),
         "traceback": traceback.format_exc(),
     }
+
+
+# ---------------------------------------------------------------- shared by the flow scripts and the tests
+
+
+def parse_flow_args():
+    """``--out DIR --flows a,b`` of a flow script; makes DIR and keeps each rank to one thread (2 ranks, 2 cores)."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--flows", required=True)
+    args = parser.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    torch.set_num_threads(1)
+    return args
+
+
+def assert_upstream_deque_crash(results, events):
+    """Upstream 0.19.8's crash when a second engine meets the first one's unfinished trace, on every rank."""
+    for rank, result in enumerate(results):
+        assert result["runtime"] == "upstream"
+        assert result["status"] == "crash", f"rank {rank}: upstream no longer crashes"
+        assert result["error_type"] == "IndexError"
+        assert result["error"] == "pop from an empty deque"
+        assert "in reset_step" in result["traceback"] and "record_parameters" in result["traceback"]
+        assert [e["kind"] for e in result["events"]] == events

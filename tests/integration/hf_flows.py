@@ -8,7 +8,6 @@ runtime, "ok" or the crash, and the events: every optimizer the Trainer created,
 training/evaluation batch with this rank's token ids and the loss this rank computed.
 """
 
-import argparse
 import faulthandler
 import os
 import sys
@@ -23,7 +22,7 @@ allow_accelerate_deepspeed_on_cpu()
 
 from transformers import Trainer, TrainingArguments  # noqa: E402
 
-from common import crash_record, make_llama, runtime_name, token_sample, write_result  # noqa: E402
+from common import crash_record, parse_flow_args, make_llama, runtime_name, token_sample, write_result  # noqa: E402
 
 FLOW_TIMEOUT_S = int(os.environ.get("ZERO3_INTEGRATION_FLOW_TIMEOUT", "150"))
 EVENTS = []
@@ -117,12 +116,7 @@ FLOWS = {f.__name__: f for f in (evaluate_then_train, train_periodic_eval, evalu
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--flows", required=True)
-    args = parser.parse_args()
-    os.makedirs(args.out, exist_ok=True)
-    torch.set_num_threads(1)
+    args = parse_flow_args()
     for name in args.flows.split(","):
         faulthandler.dump_traceback_later(FLOW_TIMEOUT_S, exit=True)
         EVENTS.clear()

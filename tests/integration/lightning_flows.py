@@ -10,7 +10,6 @@ events on a plain-PyTorch reference. The flows run in the order given; after a c
 stops (the ranks may no longer be in step).
 """
 
-import argparse
 import datetime
 import faulthandler
 import os
@@ -22,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import lightning.pytorch as pl  # noqa: E402
 
-from common import crash_record, make_net, net_loss, runtime_name, sample, write_result  # noqa: E402
+from common import crash_record, parse_flow_args, make_net, net_loss, runtime_name, sample, write_result  # noqa: E402
 from cpu_shims import cpu_deepspeed_strategy  # noqa: E402
 
 FLOW_TIMEOUT_S = int(os.environ.get("ZERO3_INTEGRATION_FLOW_TIMEOUT", "150"))
@@ -154,12 +153,7 @@ def save_params(model, path):
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--flows", required=True)
-    args = parser.parse_args()
-    os.makedirs(args.out, exist_ok=True)
-    torch.set_num_threads(1)
+    args = parse_flow_args()
     for name in args.flows.split(","):
         faulthandler.dump_traceback_later(FLOW_TIMEOUT_S, exit=True)
         model = FlowModule(frozen_mid=(name == "frozen_mid"), call_self=name.endswith("_call_self"))
