@@ -7,6 +7,7 @@ none of them.
 import argparse
 import json
 import os
+import sys
 import traceback
 
 import torch
@@ -136,3 +137,20 @@ def assert_upstream_deque_crash(results, events):
         assert result["error"] == "pop from an empty deque"
         assert "in reset_step" in result["traceback"] and "record_parameters" in result["traceback"]
         assert [e["kind"] for e in result["events"]] == events
+
+
+def finish_flow(out, name, record):
+    """Write one flow's result; a failed flow ends the rank at once, so the other rank stops instead of hanging."""
+    write_result(out, name, record)
+    if record["status"] != "ok":
+        sys.stderr.write(record["traceback"])
+        sys.stderr.flush()
+        os._exit(1)
+
+
+def assert_flows_ok(results, runtime, expected_events):
+    """Every rank ran the flow on ``runtime`` to the end, through exactly the expected events."""
+    for rank, result in enumerate(results):
+        assert result["runtime"] == runtime, result["runtime"]
+        assert result["status"] == "ok", f"rank {rank}: {result.get('traceback')}"
+        assert [e["kind"] for e in result["events"]] == expected_events

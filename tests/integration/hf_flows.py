@@ -22,7 +22,7 @@ allow_accelerate_deepspeed_on_cpu()
 
 from transformers import Trainer, TrainingArguments  # noqa: E402
 
-from common import crash_record, parse_flow_args, make_llama, runtime_name, token_sample, write_result  # noqa: E402
+from common import crash_record, finish_flow, parse_flow_args, make_llama, runtime_name, token_sample  # noqa: E402
 
 FLOW_TIMEOUT_S = int(os.environ.get("ZERO3_INTEGRATION_FLOW_TIMEOUT", "150"))
 EVENTS = []
@@ -129,11 +129,7 @@ def main():
         finally:
             faulthandler.cancel_dump_traceback_later()
         record.update(runtime=runtime_name(), events=list(EVENTS))
-        write_result(args.out, name, record)
-        if record["status"] != "ok":
-            sys.stderr.write(record["traceback"])
-            sys.stderr.flush()
-            os._exit(1)
+        finish_flow(args.out, name, record)
 
 
 if __name__ == "__main__":

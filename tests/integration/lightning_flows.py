@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import lightning.pytorch as pl  # noqa: E402
 
-from common import crash_record, parse_flow_args, make_net, net_loss, runtime_name, sample, write_result  # noqa: E402
+from common import crash_record, finish_flow, parse_flow_args, make_net, net_loss, runtime_name, sample  # noqa: E402
 from cpu_shims import cpu_deepspeed_strategy  # noqa: E402
 
 FLOW_TIMEOUT_S = int(os.environ.get("ZERO3_INTEGRATION_FLOW_TIMEOUT", "150"))
@@ -166,11 +166,7 @@ def main():
         finally:
             faulthandler.cancel_dump_traceback_later()
         record.update(runtime=runtime_name(), events=model.events)
-        write_result(args.out, name, record)
-        if record["status"] != "ok":
-            sys.stderr.write(record["traceback"])
-            sys.stderr.flush()
-            os._exit(1)
+        finish_flow(args.out, name, record)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ supports: `evaluate()` with one Trainer, `train()` with a second one over the sa
 
 import pytest
 
-from common import assert_upstream_deque_crash
+from common import assert_flows_ok, assert_upstream_deque_crash
 from harness import AGAINST_UPSTREAM, MAIN_RUNTIME
 from reference import replay_hf
 
@@ -40,10 +40,7 @@ def ours(launches):
 @pytest.mark.parametrize("flow", list(EXPECTED_EVENTS))
 def test_flow_matches_reference(ours, flow):
     results = ours.results(flow)
-    for rank, result in enumerate(results):
-        assert result["runtime"] == MAIN_RUNTIME, result["runtime"]
-        assert result["status"] == "ok", f"rank {rank}: {result.get('traceback')}"
-        assert [e["kind"] for e in result["events"]] == EXPECTED_EVENTS[flow]
+    assert_flows_ok(results, MAIN_RUNTIME, EXPECTED_EVENTS[flow])
     events = [r["events"] for r in results]
     assert events[0] != events[1]  # the ranks trained on different batches
     expected = replay_hf(events)

@@ -15,7 +15,7 @@ never holds a recorded trace, so never reaches the code that crashes.
 import pytest
 import torch
 
-from common import assert_upstream_deque_crash
+from common import assert_flows_ok, assert_upstream_deque_crash
 from harness import AGAINST_UPSTREAM, MAIN_RUNTIME
 from reference import replay_lightning
 
@@ -47,10 +47,8 @@ def ours(launches):
 @pytest.mark.parametrize("flow", FLOWS)
 def test_flow_matches_reference(ours, flow):
     results = ours.results(flow)
-    for rank, result in enumerate(results):
-        assert result["runtime"] == MAIN_RUNTIME, result["runtime"]
-        assert result["status"] == "ok", f"rank {rank}: {result.get('traceback')}"
-        assert [e["kind"] for e in result["events"]] == EXPECTED_EVENTS[flow]
+    assert_flows_ok(results, MAIN_RUNTIME, EXPECTED_EVENTS[flow])
+    for result in results:
         for event in result["events"]:
             if event["kind"] == "optimizer":
                 continue
