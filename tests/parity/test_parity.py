@@ -11,13 +11,11 @@ still match; the parity test of the rest is an xfail quoting upstream's error.
 import ast
 import json
 import os
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
+
+from launching import launch as launch_script, log_tail
 
 HERE = Path(__file__).resolve().parent
 SCRIPT = HERE / "scenarios.py"
@@ -39,34 +37,13 @@ SCENARIOS = scenario_names()
 CASES = [(world, name) for world in WORLDS for name in SCENARIOS[world]]
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def launch(runtime: str, world: int, out_dir: Path) -> dict:
     """One launcher run of every scenario of ``world``; returns its results (possibly partial) and its log."""
     out = out_dir / f"{runtime}_w{world}.json"
-    log = out_dir / f"{runtime}_w{world}.log"
-    env = dict(os.environ)
-    env.update(DS_ACCELERATOR="cpu", LOCAL_SIZE=str(world), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    env["DEEPSPEED_ZERO3"] = "0" if runtime == "upstream" else "1"
-    launcher = Path(sys.executable).parent / "deepspeed"
-    command = [str(launcher), "--num_gpus", str(world), "--master_port", str(free_port()), str(SCRIPT), "--out",
-               str(out), "--world", str(world)]
-    start = time.time()
-    with open(log, "w") as log_file:
-        proc = subprocess.Popen(command, env=env, stdout=log_file, stderr=subprocess.STDOUT, cwd=HERE.parent.parent,
-                                start_new_session=True)
-        try:
-            rc = proc.wait(timeout=LAUNCH_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)  # the launcher and its ranks, nothing else
-            proc.wait()
-            rc = "timeout"
-    results = json.loads(out.read_text()) if out.exists() else {}
-    return {"results": results, "rc": rc, "seconds": round(time.time() - start, 1), "log": log}
+    run = launch_script(SCRIPT, runtime, world, ["--out", str(out), "--world", str(world)],
+                        out_dir / f"{runtime}_w{world}.log", LAUNCH_TIMEOUT_S)
+    run["results"] = json.loads(out.read_text()) if out.exists() else {}
+    return run
 
 
 @pytest.fixture(scope="module")
@@ -84,11 +61,6 @@ def runs(tmp_path_factory, pytestconfig):
                     reporter.write_line(f"parity launch {runtime} w{world}: {run['seconds']} s, rc {run['rc']}, "
                                         f"{statuses.count('ok')}/{len(SCENARIOS[world])} ok; log {run['log']}")
     return done
-
-
-def log_tail(run, lines=40) -> str:
-    text = Path(run["log"]).read_text(errors="replace").splitlines()
-    return "\n".join(text[-lines:])
 
 
 def record_of(run, name):
