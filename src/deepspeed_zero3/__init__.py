@@ -6,7 +6,7 @@ imports it at every interpreter start.
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "get_zero3_stats", "reset_zero3_stats", "overlay_status"]
+__all__ = ["__version__", "get_zero3_stats", "reset_zero3_stats", "abandon_step", "overlay_status"]
 
 
 def __getattr__(name):
@@ -14,6 +14,9 @@ def __getattr__(name):
     if name in ("get_zero3_stats", "reset_zero3_stats"):
         from deepspeed_zero3.runtime.zero import stats_api
         return getattr(stats_api, name)
+    if name == "abandon_step":
+        from deepspeed_zero3.runtime.zero.recovery import abandon_step
+        return abandon_step
     if name == "overlay_status":
         from deepspeed_zero3.activation import overlay_status
         return overlay_status

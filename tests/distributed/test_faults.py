@@ -5,10 +5,13 @@ import torch
 
 import deepspeed
 import deepspeed_zero3
-from deepspeed_zero3.testing.engines import batch, mse_loss, train_step, training_engine, zero3_config
+from deepspeed_zero3.testing.engines import (batch, inference_engine, mse_loss, train_step, training_engine,
+                                             zero3_config)
 from deepspeed_zero3.testing.models import model_b
 
 CONFIG = zero3_config(bucket=20_000, reuse=0)
+# Block 3 of Model B (up 16,640 + down 16,448): prefetched for the backward that fails just before it.
+BACKWARD_PREFETCH_AT_FAULT = 33_088
 
 
 class Boom(RuntimeError):
@@ -61,6 +64,108 @@ def test_exception_in_submodule_forward():
     # The trace recorded before the fault is still used: no re-record, no demand fetch.
     for p in deepspeed_zero3.get_zero3_stats(engine)["passes"][-2:]:
         assert p["trace_records"] == 0 and p["demand_numel"] == 0, p
+    engine.destroy()
+
+
+class ExplodingBackward(torch.autograd.Function):
+    """Identity whose backward raises while ``armed``: a fault inside a custom autograd backward."""
+    armed = False
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ExplodingBackward.armed:
+            raise Boom("injected in backward")
+        return grad
+
+
+def model_with_exploding_backward():
+    """Model B with block 3's output through ExplodingBackward: its backward fails after head, blocks 5 and 4 ran."""
+    model = model_b()
+    model.blocks[3].register_forward_hook(lambda module, args, output: ExplodingBackward.apply(output))
+    return model
+
+
+def test_exception_in_custom_autograd_backward():
+    expected_losses, expected_params = clean_run([0, 1, 3, 4])
+    torch.manual_seed(0)
+    engine = training_engine(model_with_exploding_backward(), CONFIG)
+    losses = [train_step(engine, batch(s, rank())) for s in (0, 1)]
+    loss = mse_loss(engine(batch(2, rank())))
+    ExplodingBackward.armed = True
+    try:
+        with pytest.raises(Boom, match="injected in backward"):
+            engine.backward(loss)
+    finally:
+        ExplodingBackward.armed = False
+    assert live(engine) == BACKWARD_PREFETCH_AT_FAULT
+    deepspeed_zero3.abandon_step(engine)
+    assert live(engine) == 0
+    last = deepspeed_zero3.get_zero3_stats(engine)["passes"][-1]
+    assert last["kind"] == "backward" and last["aborted"] is True
+    losses += [train_step(engine, batch(s, rank())) for s in (3, 4)]
+    assert losses == expected_losses
+    assert all(torch.equal(a, b) for a, b in zip(final_params(engine), expected_params))
+    # The half-run backward recorded no trace: the next steps replay the full ones, nothing on demand.
+    for p in deepspeed_zero3.get_zero3_stats(engine)["passes"][-4:]:
+        assert p["trace_records"] == 0 and p["demand_numel"] == 0, p
+    engine.destroy()
+
+
+def test_failed_backward_without_abandon_step_releases_at_next_forward(caplog):
+    """No optimizer state involved (autograd.grad on an inference engine): the runtime recovers on its own."""
+    torch.manual_seed(0)
+    engine = inference_engine(model_with_exploding_backward(), CONFIG)
+
+    def input_grad(step):
+        # Through engine.module: upstream's engine refuses a backward of its own outputs without an optimizer.
+        x = batch(step, rank()).requires_grad_()
+        return torch.autograd.grad(mse_loss(engine.module(x)), x)[0]
+
+    expected = [input_grad(s) for s in (0, 1, 3)]
+    ExplodingBackward.armed = True
+    try:
+        with pytest.raises(Boom):
+            input_grad(2)
+    finally:
+        ExplodingBackward.armed = False
+    assert live(engine) == BACKWARD_PREFETCH_AT_FAULT  # nothing has told the runtime yet
+    with caplog.at_level("WARNING"):
+        got = input_grad(3)
+    assert "a backward pass raised before it finished" in caplog.text
+    assert "deepspeed_zero3.abandon_step(engine)" in caplog.text
+    assert torch.equal(got, expected[2])
+    input_grad(4)  # a backward without engine.backward()'s epilogue stays open until the next pass begins
+    assert live(engine) == 0
+    passes = deepspeed_zero3.get_zero3_stats(engine)["passes"]
+    assert [(p["kind"], p["aborted"]) for p in passes[-5:]] == [("forward", False), ("backward", True),
+                                                                ("forward", False), ("backward", False),
+                                                                ("forward", False)]
+    for p in passes[-3:]:
+        assert p["trace_records"] == 0 and p["demand_numel"] == 0, p
+    engine.destroy()
+
+
+def test_abandon_step_after_a_failed_forward():
+    """abandon_step is the one call for any failed step; after a forward fault it has nothing left to do."""
+    expected_losses, expected_params = clean_run([0, 2])
+    torch.manual_seed(0)
+    model = model_b()
+    engine = training_engine(model, CONFIG)
+    losses = [train_step(engine, batch(0, rank()))]
+    handle = model.blocks[1].register_forward_pre_hook(lambda module, args: (_ for _ in ()).throw(Boom("injected")))
+    with pytest.raises(Boom):
+        engine(batch(1, rank()))
+    handle.remove()
+    deepspeed_zero3.abandon_step(engine)
+    deepspeed_zero3.abandon_step(engine)  # idempotent
+    assert live(engine) == 0
+    losses.append(train_step(engine, batch(2, rank())))
+    assert losses == expected_losses
+    assert all(torch.equal(a, b) for a, b in zip(final_params(engine), expected_params))
     engine.destroy()
 
 

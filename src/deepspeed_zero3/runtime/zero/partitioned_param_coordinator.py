@@ -227,13 +227,20 @@ class PartitionedParameterCoordinator:
             if self.root_depth == 0 and self.phase is PassPhase.FORWARD:
                 self.end_forward_pass(aborted=aborted)
 
-    def _end_open_pass(self) -> None:
+    def _end_open_pass(self, abandoning: bool = False) -> None:
         """Close a pass whose closing hook never came, and release everything gathered."""
         if self.phase is PassPhase.FORWARD:
             self.end_forward_pass(aborted=True)
         elif self.phase is PassPhase.BACKWARD:
-            # A backward that ran without engine.backward()'s epilogue.
-            self.end_backward_pass()
+            # Either a backward that finished without engine.backward()'s epilogue (a trace worth keeping),
+            # or one cut short by an exception (its partial order must not become a trace).
+            cut_short = not self.progress.autograd_finished
+            if cut_short and not abandoning:
+                logger.warning("deepspeed-zero3: a backward pass raised before it finished; the parameters it "
+                               "gathered are now released and its partial module order is not kept as a trace. "
+                               "Stage 3 still holds that backward's partial gradients: call "
+                               "deepspeed_zero3.abandon_step(engine) after catching the exception to drop them.")
+            self.end_backward_pass(aborted=cut_short)
         self.release_all_ours(keep=())
 
     def begin_forward_pass(self) -> None:
@@ -267,21 +274,25 @@ class PartitionedParameterCoordinator:
             if guess is None:
                 guess = self.traces.most_recent(PassKind.BACKWARD)
             self._begin_pass(PassPhase.BACKWARD, PassKind.BACKWARD, guess)
+            if in_autograd_engine():
+                progress = self.progress
+                torch.autograd.Variable._execution_engine.queue_callback(
+                    lambda: setattr(progress, "autograd_finished", True))
             self.backward_prefetcher = self._make_prefetcher("backward", guess)
             # Prime: the first backward module should find its parameters in flight.
             self._prefetch(step=-1)
 
-    def end_backward_pass(self) -> None:
+    def end_backward_pass(self, aborted: bool = False) -> None:
         with self.lock:
             if self.phase is not PassPhase.BACKWARD:
                 return
-            trace = self._finish_trace(aborted=False)
+            trace = self._finish_trace(aborted)
             if self.awaiting_backward_from is not None and trace is not None:
                 self.awaiting_backward_from.next_backward = trace
             self.awaiting_backward_from = None
             self.backward_prefetcher = None
             self.active_backward.clear()
-            self._end_pass(aborted=False)
+            self._end_pass(aborted)
             self.release_all_ours(keep=())
             self.backward_passes += 1
             if self.stats_every and self.backward_passes % self.stats_every == 0 and (not dist.is_initialized()
@@ -484,10 +495,10 @@ class PartitionedParameterCoordinator:
 
     # ------------------------------------------------------------------ upstream entry points
 
-    def reset_step(self) -> None:
+    def reset_step(self, abandoning: bool = False) -> None:
         """End whatever pass is running and release everything gathered (upstream's end-of-step call)."""
         with self.lock:
-            self._end_open_pass()
+            self._end_open_pass(abandoning)
             self.root_depth = 0
 
     @torch.no_grad()

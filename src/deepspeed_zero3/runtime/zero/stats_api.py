@@ -3,7 +3,7 @@
 from deepspeed_zero3.runtime.zero.param_registry import find_registry
 
 
-def _coordinator_of(target):
+def coordinator_of(target):
     """The coordinator behind an engine, a ZeRO-3 optimizer, a DeepSpeedZeRoOffload, or a managed module."""
     optimizer = getattr(target, "optimizer", None)
     offload = getattr(optimizer, "parameter_offload", None) or optimizer
@@ -29,9 +29,9 @@ def get_zero3_stats(target) -> dict:
     and numel, demand-fetched and prefetched numel, peak live gathered numel, and trace
     records/mismatches/switches. ``totals`` sums them per pass kind (peak is the maximum).
     """
-    return _coordinator_of(target).stats.snapshot()
+    return coordinator_of(target).stats.snapshot()
 
 
 def reset_zero3_stats(target) -> None:
     """Forget the counted passes (the live numel stays: it is state, not a counter)."""
-    _coordinator_of(target).stats.reset()
+    coordinator_of(target).stats.reset()

@@ -151,6 +151,9 @@ class PassProgress:
         self.state = ReplayState.REPLAYING if first_guess is not None else ReplayState.RECORDING
         self.observed: List[Module] = []
         self.observed_ids: List[int] = []
+        # Backward passes: set when the autograd graph task that began the pass completed. A graph task that
+        # raised never sets it, which is how a backward cut short by an exception is told from a finished one.
+        self.autograd_finished = False
 
     @property
     def step(self) -> int:
