@@ -11,6 +11,7 @@ from collections import OrderedDict
 import torch
 
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus, register_external_parameter
+from deepspeed.utils.logging import logger
 
 # Modules whose forward is running, innermost last. The engine's root is at the bottom.
 FWD_MODULE_STACK = []
@@ -29,7 +30,11 @@ class ZeROOrderedDict(OrderedDict):
 
     def __getitem__(self, key):
         param = super().__getitem__(key)
-        if param is None or torch.compiler.is_compiling() or not hasattr(param, "ds_status"):
+        if param is None or torch.compiler.is_compiling():
+            return param
+        if not hasattr(param, "ds_status"):
+            if self._in_forward and not getattr(param, "_zero3_unmanaged_warned", False):
+                warn_unmanaged(self._parent_module, key, param)
             return param
         # The engine flips _in_forward on every module's dict around its forward.
         if not self._parent_module._parameters._in_forward:
@@ -53,6 +58,20 @@ class ZeROOrderedDict(OrderedDict):
                 param.all_gather()
                 fallback.record_gathered_param(param)
         return param
+
+
+def warn_unmanaged(module, key, param) -> None:
+    """A module attached after ``deepspeed.initialize`` runs as plain PyTorch: say so once per parameter.
+
+    Its parameters are ordinary tensors, whole on every rank, and the engine's optimizer never saw them. That
+    is what PyTorch does for a module added after its optimizer was built; ZeRO-3 adds that they are not
+    sharded either.
+    """
+    param._zero3_unmanaged_warned = True
+    logger.warning(f"deepspeed-zero3: parameter {key!r} of {type(module).__name__} was added after "
+                   f"deepspeed.initialize: it stays an ordinary tensor, whole on every rank (not sharded), and the "
+                   f"engine's optimizer does not train it. To shard and train it, attach the module before "
+                   f"deepspeed.initialize (or build a new engine over the model).")
 
 
 def _wrap_parameters(module):

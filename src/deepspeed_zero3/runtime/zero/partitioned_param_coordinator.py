@@ -414,7 +414,7 @@ class PartitionedParameterCoordinator:
                 return
             step = self.progress.step if self.progress is not None else -1
             prefetcher = self.current_prefetcher()
-            for param in fetch_params(submodule):
+            for param in fetch_params(submodule, strict=False):
                 param.ds_active_sub_modules.discard(submodule.ds_id)
                 if param.ds_persist or param.is_external_param or param.ds_active_sub_modules:
                     continue
@@ -517,14 +517,16 @@ class PartitionedParameterCoordinator:
         """Release every parameter of ``module``, persistent ones included (stage 3 calls this at step())."""
         with self.lock:
             self.reset_step()
-            for param in iter_params(module, recurse=True):
+            # Plain parameters of modules attached after initialize are not ours (warn_unmanaged, ordered_dict.py).
+            params = [p for p in iter_params(module, recurse=True) if hasattr(p, "ds_id")]
+            for param in params:
                 if param in self.inflight:
                     self.inflight.pop(param).wait()
                 param.ds_active_sub_modules.clear()
                 if param.ds_status == ZeroParamStatus.AVAILABLE:
                     param.partition()
                 self._forget(param)
-            for param in iter_params(module, recurse=True):
+            for param in params:
                 if param.ds_status != ZeroParamStatus.NOT_AVAILABLE:
                     raise RuntimeError(f"deepspeed-zero3: parameter ds_id={param.ds_id} shape={tuple(param.ds_shape)} "
                                        f"is {param.ds_status.name} after release_and_reset_all; expected NOT_AVAILABLE")
