@@ -5,25 +5,29 @@ import os
 import pytest
 import torch
 
-from deepspeed_zero3.runtime.zero.partitioned_param_coordinator import CHECK_RANKS_ENV
+from deepspeed_zero3.runtime.zero.rank_agreement import CHECK_RANKS_ENV
 from deepspeed_zero3.testing.engines import batch, train_step, training_engine, zero3_config
 from deepspeed_zero3.testing.models import model_b
 
 
 class RankDependent(torch.nn.Module):
-    """Skips a block on rank 1 when told to: data-dependent control flow that differs across ranks."""
+    """Data-dependent control flow that differs across ranks when told to: on rank 1, block 2 is skipped
+    (``diverge="skip"``) or runs after block 3 (``diverge="swap"``)."""
 
     def __init__(self):
         super().__init__()
         self.inner = model_b()
-        self.diverge = False
+        self.diverge = None
 
     def forward(self, x):
+        order = list(range(len(self.inner.blocks)))
+        if torch.distributed.get_rank() == 1 and self.diverge == "skip":
+            order.remove(2)
+        if torch.distributed.get_rank() == 1 and self.diverge == "swap":
+            order[2], order[3] = 3, 2
         h = self.inner.inp(x)
-        for index, block in enumerate(self.inner.blocks):
-            if self.diverge and index == 2 and torch.distributed.get_rank() == 1:
-                continue
-            h = block(h)
+        for index in order:
+            h = self.inner.blocks[index](h)
         return self.inner.head(h)
 
 
@@ -40,16 +44,16 @@ def test_debug_mode_names_rank_step_and_module(check_ranks):
     engine = training_engine(model, zero3_config(bucket=20_000, reuse=0))
     for step in range(2):
         train_step(engine, batch(step, torch.distributed.get_rank()))
-    model.diverge = True
+    model.diverge = "skip"
     with pytest.raises(RuntimeError) as info:
         engine(batch(2, torch.distributed.get_rank()))
     message = str(info.value)
     assert f"{CHECK_RANKS_ENV}=1): ranks diverged in a forward pass" in message
     # Steps: 0 root, 1 inp, then 3 per block: step 8 is block 2 on rank 0 and block 3 on rank 1.
     assert "rank 0: step 8 module ds_id=" in message and "rank 1: step 8 module ds_id=" in message
-    assert "ZeRO-3 needs every rank to run the same modules" in message
+    assert "No mismatched all-gather was issued. ZeRO-3 needs every rank to run the same modules" in message
     # Nothing mismatched was issued: the process group still works, and so does the engine.
-    model.diverge = False
+    model.diverge = None
     assert train_step(engine, batch(3, torch.distributed.get_rank())) > 0
     engine.destroy()
 
@@ -61,3 +65,53 @@ def test_bad_check_ranks_value():
             training_engine(model_b(), zero3_config())
     finally:
         del os.environ[CHECK_RANKS_ENV]
+
+
+def test_default_check_after_an_eval_forward_names_rank_pass_step_and_module():
+    """Without the debug mode: a replayed trace, ranks swap two equally sized blocks (so every all-gather pairs
+    up, with the wrong shards), and the check at the end of the no-grad forward stops every rank."""
+    torch.manual_seed(0)
+    model = RankDependent()
+    engine = training_engine(model, zero3_config(bucket=0, reuse=0))
+    for step in range(2):
+        train_step(engine, batch(step, torch.distributed.get_rank()))
+        with torch.no_grad():
+            engine(batch(10 + step, torch.distributed.get_rank()))
+    model.diverge = "swap"
+    with pytest.raises(RuntimeError) as info:
+        with torch.no_grad():
+            engine(batch(12, torch.distributed.get_rank()))
+    message = str(info.value)
+    blocks = model.inner.blocks
+    # Steps: 0 root, 1 inp, 3 per block: step 8 is block 2 (rank 0) or block 3 (rank 1).
+    assert "deepspeed-zero3: ranks ran different modules (checked after pass 6, covering passes 6..6)" in message
+    assert f"rank 0: eval_forward pass, step 8, module ResidualMLPBlock ds_id={blocks[2].ds_id}" in message
+    assert f"rank 1: eval_forward pass, step 8, module ResidualMLPBlock ds_id={blocks[3].ds_id}" in message
+    assert "this step must not be applied" in message and f"Set {CHECK_RANKS_ENV}=1 to stop before" in message
+    model.diverge = None
+    assert train_step(engine, batch(3, torch.distributed.get_rank())) > 0
+    engine.destroy()
+
+
+def test_default_check_costs_one_small_collective_per_backward_and_eval_forward():
+    """The always-on check adds exactly one all_gather per backward pass and per no-grad forward pass."""
+    import deepspeed.comm as dist
+    calls = []
+    original = dist.all_gather
+
+    def counting(tensor_list, tensor, *args, **kwargs):
+        calls.append(tensor.numel())
+        return original(tensor_list, tensor, *args, **kwargs)
+
+    torch.manual_seed(0)
+    engine = training_engine(RankDependent(), zero3_config(bucket=0, reuse=0))
+    train_step(engine, batch(0, torch.distributed.get_rank()))
+    dist.all_gather = counting
+    try:
+        train_step(engine, batch(1, torch.distributed.get_rank()))
+        with torch.no_grad():
+            engine(batch(2, torch.distributed.get_rank()))
+    finally:
+        dist.all_gather = original
+    assert calls == [3, 3]
+    engine.destroy()

@@ -36,13 +36,15 @@ from deepspeed.utils.logging import logger
 from deepspeed_zero3.runtime.zero.gather import Gatherer, InflightParamRegistry
 from deepspeed_zero3.runtime.zero.module_params import fetch_params, iter_params
 from deepspeed_zero3.runtime.zero.prefetch import PassPrefetcher
+from deepspeed_zero3.runtime.zero.rank_agreement import (CHECK_RANKS_ENV, PassOrderCheck, check_ranks_from_env,
+                                                         check_same_module_on_all_ranks)
 from deepspeed_zero3.runtime.zero.settings import PrefetchSettings
 from deepspeed_zero3.runtime.zero.stats import PassKind, ZeroStats, format_line, stats_every_from_env
 from deepspeed_zero3.runtime.zero.trace import PassProgress, PassTrace, StepOutcome, TraceCache
 
 __all__ = [
     "PartitionedParameterCoordinator", "InflightParamRegistry", "iter_params", "PassPhase", "PassKind",
-    "NVME_NOT_SUPPORTED"
+    "NVME_NOT_SUPPORTED", "CHECK_RANKS_ENV"
 ]
 
 NVME_NOT_SUPPORTED = ("NVMe parameter offload (offload_param.device='nvme') is not supported by deepspeed-zero3 yet; "
@@ -58,67 +60,6 @@ class PassPhase(enum.Enum):
 def in_autograd_engine() -> bool:
     """True while the autograd engine executes a graph (backward, and recomputation inside it)."""
     return torch._C._current_graph_task_id() != -1
-
-
-def verify_same_order_on_all_ranks(kind: PassKind, module_ids: List[int]) -> None:
-    """Raise on every rank, naming the first differing step, if the ranks recorded different orders.
-
-    Two collectives; called only when a new trace is recorded, which the cache keeps rare.
-    """
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return
-    length = torch.tensor([len(module_ids)], dtype=torch.long)
-    lengths = [torch.zeros_like(length) for _ in range(dist.get_world_size())]
-    dist.all_gather(lengths, length)
-    longest = max(int(t.item()) for t in lengths)
-    padded = torch.full((longest, ), -1, dtype=torch.long)
-    padded[:len(module_ids)] = torch.tensor(module_ids, dtype=torch.long)
-    orders = [torch.zeros_like(padded) for _ in range(dist.get_world_size())]
-    dist.all_gather(orders, padded)
-    reference = orders[0].tolist()
-    for rank, order in enumerate(orders):
-        order = order.tolist()
-        if order != reference:
-            step = next(i for i, (a, b) in enumerate(zip(reference, order)) if a != b)
-            raise RuntimeError(f"deepspeed-zero3: ranks ran different modules in one {kind.value} pass: at step {step} "
-                               f"rank 0 ran module ds_id={reference[step]} and rank {rank} ran ds_id={order[step]} "
-                               f"(-1: the pass had already ended). ZeRO-3 needs every rank to run the same modules "
-                               f"in the same order; make data-dependent control flow agree across ranks.")
-
-
-CHECK_RANKS_ENV = "DEEPSPEED_ZERO3_CHECK_RANKS"
-
-
-def check_ranks_from_env(environ) -> bool:
-    raw = environ.get(CHECK_RANKS_ENV, "0").strip().lower()
-    if raw in ("0", "", "false", "off", "no"):
-        return False
-    if raw in ("1", "true", "on", "yes"):
-        return True
-    raise ValueError(f"{CHECK_RANKS_ENV}={raw!r} is not allowed: use 1 to check the module order across ranks "
-                     f"before every fetch, or 0 (default) to check it only when a trace is recorded")
-
-
-def check_same_module_on_all_ranks(kind: PassKind, step: int, module: Module) -> None:
-    """[Note: diverging ranks] Debug mode: one small all_gather before each fetch, so ranks that run
-    different modules stop with an error on every rank before any mismatched all-gather is issued.
-
-    Without it, the module order is compared only when a trace is recorded; ranks that diverge while
-    replaying a cached trace then issue gathers of different parameters, which gloo and NCCL may not
-    detect. The cost is one all_gather of two integers per module fetch.
-    """
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return
-    mine = torch.tensor([step, module.ds_id], dtype=torch.long)
-    everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(everyone, mine)
-    seen = [tuple(t.tolist()) for t in everyone]
-    if any(entry != seen[0] for entry in seen):
-        listing = ", ".join(f"rank {r}: step {st} module ds_id={mid}" for r, (st, mid) in enumerate(seen))
-        raise RuntimeError(f"deepspeed-zero3 ({CHECK_RANKS_ENV}=1): ranks diverged in a {kind.value} pass; this rank "
-                           f"(rank {dist.get_rank()}) is at step {step} in module {type(module).__name__} "
-                           f"ds_id={module.ds_id}; {listing}. ZeRO-3 needs every rank to run the same modules "
-                           f"in the same order.")
 
 
 class PartitionedParameterCoordinator:
@@ -169,6 +110,7 @@ class PartitionedParameterCoordinator:
         self.root_depth = 0
         self.stats_every = stats_every_from_env(os.environ)
         self.check_ranks = check_ranks_from_env(os.environ)
+        self.order_check = PassOrderCheck()
         self.backward_passes = 0
         # Autograd may run backward hooks on its own threads (GPU, multi-output z3 leaf modules).
         self.lock = threading.RLock()
@@ -265,6 +207,8 @@ class PartitionedParameterCoordinator:
                     keep = tuple(p for p in self.reuse_kept if trace.next_backward.next_use(p, -1) is not None)
             self._end_pass(aborted)
             self.release_all_ours(keep=keep)
+            if kind is PassKind.EVAL_FORWARD and not aborted:
+                self.order_check.check()  # [Note: diverging ranks]
 
     def begin_backward_pass(self) -> None:
         with self.lock:
@@ -294,6 +238,8 @@ class PartitionedParameterCoordinator:
             self.active_backward.clear()
             self._end_pass(aborted)
             self.release_all_ours(keep=())
+            if not aborted:
+                self.order_check.check()  # [Note: diverging ranks]
             self.backward_passes += 1
             if self.stats_every and self.backward_passes % self.stats_every == 0 and (not dist.is_initialized()
                                                                                      or dist.get_rank() == 0):
@@ -305,6 +251,10 @@ class PartitionedParameterCoordinator:
         self.stats.begin_pass(kind)
 
     def _end_pass(self, aborted: bool) -> None:
+        # An aborted pass is not compared: its exception may have hit one rank only, and a collective now
+        # would pair with whatever the other ranks are running.
+        if not aborted and self.progress.observed:
+            self.order_check.add(self.stats.current.index, self.progress.kind, self.progress.observed)
         self.stats.end_pass(aborted=aborted)
         self.phase = PassPhase.IDLE
         self.progress = None
@@ -325,7 +275,6 @@ class PartitionedParameterCoordinator:
             if trace is not None and not trace.runs(progress.observed):
                 trace = None
         if trace is None:
-            verify_same_order_on_all_ranks(progress.kind, progress.observed_ids)
             trace = PassTrace(progress.kind, progress.observed)
             self.stats.current.trace_records += 1
             self._log(f"recorded {trace.describe()}")

@@ -13,8 +13,8 @@ new cache entry when the pass ends normally.
 Every input to that choice (the pass kind, the observed module order, the
 cache contents and their recency) is the same on every rank as long as the
 ranks run the same modules, so the ranks make the same choice and issue the
-same collectives. Ranks that run different modules are checked when a trace is
-recorded (see ``coordinator.verify_same_order_on_all_ranks``).
+same collectives. Ranks that run different modules are caught by the
+cross-rank order check ([Note: diverging ranks] in ``rank_agreement.py``).
 """
 
 import bisect

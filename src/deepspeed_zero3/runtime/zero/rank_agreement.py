@@ -1,0 +1,153 @@
+"""Checking that every rank runs the same modules in the same order.
+
+[Note: diverging ranks]
+ZeRO-3 gathers a module's parameters with a collective, so every rank must
+fetch the same modules in the same order. Data-dependent control flow that
+differs across ranks breaks that: when the differing modules have equally sized
+parameters the all-gathers pair up and silently mix the wrong shards; when they
+differ in size the collectives fail or wait for the process-group timeout.
+
+Two levels of checking, both collective, so every rank raises the same error:
+
+* Always (``PassOrderCheck``): after every backward pass and every no-grad
+  forward pass, the ranks exchange one fingerprint of the module orders they ran
+  since the last check: one all_gather of 3 integers, where the runtime already
+  stops (the end of ``engine.backward()``, the end of an eval forward). On a
+  mismatch they exchange the full orders and raise, naming each rank's pass,
+  step and module. What ran before the check may have been gathered wrongly;
+  the step raises before its optimizer step, so nothing wrong is applied.
+* ``DEEPSPEED_ZERO3_CHECK_RANKS=1`` (``check_same_module_on_all_ranks``):
+  before every fetch, one all_gather of 2 integers. Ranks stop before any
+  mismatched all-gather is issued. It costs one small collective per module
+  fetch (and a device sync on GPUs), so it is a debug mode.
+
+The tensors live on the accelerator's current device: NCCL has no CPU tensors.
+"""
+
+import zlib
+from array import array
+from typing import Dict, List, Sequence, Tuple
+
+import torch
+from torch.nn import Module
+
+from deepspeed import comm as dist
+from deepspeed.accelerator import get_accelerator
+
+from deepspeed_zero3.runtime.zero.stats import PassKind
+
+CHECK_RANKS_ENV = "DEEPSPEED_ZERO3_CHECK_RANKS"
+AGREEMENT_ADVICE = ("ZeRO-3 needs every rank to run the same modules in the same order; make data-dependent "
+                    "control flow agree across ranks (decide it on one rank and broadcast it).")
+_KIND_CODES = {kind: -10 - index for index, kind in enumerate(PassKind)}
+_KINDS_BY_CODE = {code: kind for kind, code in _KIND_CODES.items()}
+
+
+def check_ranks_from_env(environ) -> bool:
+    raw = environ.get(CHECK_RANKS_ENV, "0").strip().lower()
+    if raw in ("0", "", "false", "off", "no"):
+        return False
+    if raw in ("1", "true", "on", "yes"):
+        return True
+    raise ValueError(f"{CHECK_RANKS_ENV}={raw!r} is not allowed: use 1 to check the module order across ranks "
+                     f"before every fetch, or 0 (default) to check it after every backward and no-grad forward pass")
+
+
+def distributed() -> bool:
+    return dist.is_initialized() and dist.get_world_size() > 1
+
+
+def exchange(values: Sequence[int]) -> List[List[int]]:
+    """Every rank's ``values`` (the same length on every rank), in rank order."""
+    mine = torch.tensor(list(values), dtype=torch.long, device=get_accelerator().current_device_name())
+    everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, mine)
+    return [t.tolist() for t in everyone]
+
+
+def exchange_ragged(values: Sequence[int]) -> List[List[int]]:
+    """Every rank's ``values``, of any length: lengths first, then the lists padded with -1."""
+    lengths = [entry[0] for entry in exchange([len(values)])]
+    padded = list(values) + [-1] * (max(lengths) - len(values))
+    return [row[:length] for row, length in zip(exchange(padded), lengths)]
+
+
+def check_same_module_on_all_ranks(kind: PassKind, step: int, module: Module) -> None:
+    """Debug mode: raise on every rank before the fetch if the ranks are about to fetch different modules."""
+    if not distributed():
+        return
+    seen = [tuple(entry) for entry in exchange([step, module.ds_id])]
+    if any(entry != seen[0] for entry in seen):
+        listing = ", ".join(f"rank {r}: step {st} module ds_id={mid}" for r, (st, mid) in enumerate(seen))
+        raise RuntimeError(f"deepspeed-zero3 ({CHECK_RANKS_ENV}=1): ranks diverged in a {kind.value} pass; this rank "
+                           f"(rank {dist.get_rank()}) is at step {step} in module {type(module).__name__} "
+                           f"ds_id={module.ds_id}; {listing}. No mismatched all-gather was issued. "
+                           f"{AGREEMENT_ADVICE}")
+
+
+class PassOrderCheck:
+    """The module orders of the passes run since the last cross-rank check, and the check itself."""
+
+    def __init__(self):
+        self.pending: List[Tuple[int, PassKind, List[int]]] = []  # (pass number, kind, ds_ids)
+        self.names: Dict[int, str] = {}  # ds_id -> module type, to name modules in the error
+
+    def add(self, number: int, kind: PassKind, modules: Sequence[Module]) -> None:
+        ids = [m.ds_id for m in modules]
+        for module in modules:
+            self.names.setdefault(module.ds_id, type(module).__name__)
+        self.pending.append((number, kind, ids))
+
+    def flat(self) -> List[int]:
+        """The pending orders as one sequence: a kind marker, then that pass's ds_ids."""
+        out: List[int] = []
+        for _, kind, ids in self.pending:
+            out.append(_KIND_CODES[kind])
+            out.extend(ids)
+        return out
+
+    def check(self) -> None:
+        """Compare the pending orders across ranks (one all_gather of 3 integers); raise on every rank if they differ."""
+        flat = self.flat()
+        pending, self.pending = self.pending, []
+        if len(self.names) > 100_000:
+            self.names.clear()
+        if not distributed():
+            return
+        data = array("q", flat).tobytes()
+        fingerprint = [len(pending), len(flat), (zlib.crc32(data) << 32) | zlib.adler32(data)]
+        fingerprints = exchange([fingerprint[0], fingerprint[1], fingerprint[2] - (1 << 63)])
+        if all(entry == fingerprints[0] for entry in fingerprints):
+            return
+        raise RuntimeError(self.describe(pending, exchange_ragged(flat)))
+
+    def describe(self, pending, orders: List[List[int]]) -> str:
+        reference = orders[0]
+        differing = next(r for r, order in enumerate(orders) if order != reference)
+        other = orders[differing]
+        position = next((i for i, (a, b) in enumerate(zip(reference, other)) if a != b), min(len(reference),
+                                                                                            len(other)))
+        parts = []
+        for rank in (0, differing):
+            parts.append(f"rank {rank}: {self.where(orders[rank], position)}")
+        first_pass = pending[0][0] if pending else "?"
+        return (f"deepspeed-zero3: ranks ran different modules (checked after pass {first_pass + len(pending) - 1}, "
+                f"covering passes {first_pass}..{first_pass + len(pending) - 1}): " + "; ".join(parts) +
+                f". Parameters gathered since that point may have paired different shards across ranks; this "
+                f"step must not be applied. {AGREEMENT_ADVICE} Set {CHECK_RANKS_ENV}=1 to stop before the "
+                f"first mismatched all-gather instead.")
+
+    def where(self, order: List[int], position: int) -> str:
+        """'<kind> pass, step <s>, module <type> ds_id=<id>' for the entry at ``position`` of a flat order."""
+        kind, step = None, -1
+        for value in order[:position + 1]:
+            if value in _KINDS_BY_CODE:
+                kind, step = _KINDS_BY_CODE[value], -1
+            else:
+                step += 1
+        if position >= len(order):
+            return f"{kind.value if kind else 'no'} pass, ended before step {step + 1}"
+        value = order[position]
+        if value in _KINDS_BY_CODE:
+            return f"began a {_KINDS_BY_CODE[value].value} pass at this point"
+        return (f"{kind.value} pass, step {step}, module {self.names.get(value, 'module')} ds_id={value}")
