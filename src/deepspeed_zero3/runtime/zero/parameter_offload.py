@@ -124,6 +124,7 @@ class DeepSpeedZeRoOffload:
                 zero_quantized_nontrainable_weights=zero_quantized_nontrainable_weights,
                 log_trace_cache_warnings=log_trace_cache_warnings,
             )
+            coordinator.order_check.group = dp_process_group
             registry = ParamStateRegistry(coordinator, fixed)
         self.registry = registry
         self.param_coordinator = registry.coordinator

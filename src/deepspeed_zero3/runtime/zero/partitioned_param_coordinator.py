@@ -294,7 +294,7 @@ class PartitionedParameterCoordinator:
                 step = self._observe(current_submodule)
             if self.check_ranks:
                 kind = self.progress.kind if self.progress is not None else PassKind.FORWARD
-                check_same_module_on_all_ranks(kind, step, current_submodule)
+                check_same_module_on_all_ranks(kind, step, current_submodule, self.order_check.group)
             params = fetch_params(current_submodule)
             if self.phase is PassPhase.BACKWARD:
                 self.active_backward[current_submodule.ds_id] = current_submodule

@@ -53,32 +53,39 @@ def check_ranks_from_env(environ) -> bool:
                      f"before every fetch, or 0 (default) to check it after every backward and no-grad forward pass")
 
 
-def distributed() -> bool:
-    return dist.is_initialized() and dist.get_world_size() > 1
+def distributed(group=None) -> bool:
+    """Whether there is anyone to compare with in ``group`` (None: the whole world)."""
+    return dist.is_initialized() and dist.get_world_size(group=group) > 1
 
 
-def exchange(values: Sequence[int]) -> List[List[int]]:
-    """Every rank's ``values`` (the same length on every rank), in rank order."""
+def group_ranks(group, size: int) -> List[int]:
+    """Global ranks of the members of ``group``, in group order (for messages)."""
+    return list(range(size)) if group is None else list(dist.get_all_ranks_from_group(group))
+
+
+def exchange(values: Sequence[int], group=None) -> List[List[int]]:
+    """Every rank's ``values`` (the same length on every rank), in group rank order."""
     mine = torch.tensor(list(values), dtype=torch.long, device=get_accelerator().current_device_name())
-    everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(everyone, mine)
+    everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group=group))]
+    dist.all_gather(everyone, mine, group=group)
     return [t.tolist() for t in everyone]
 
 
-def exchange_ragged(values: Sequence[int]) -> List[List[int]]:
+def exchange_ragged(values: Sequence[int], group=None) -> List[List[int]]:
     """Every rank's ``values``, of any length: lengths first, then the lists padded with -1."""
-    lengths = [entry[0] for entry in exchange([len(values)])]
+    lengths = [entry[0] for entry in exchange([len(values)], group)]
     padded = list(values) + [-1] * (max(lengths) - len(values))
-    return [row[:length] for row, length in zip(exchange(padded), lengths)]
+    return [row[:length] for row, length in zip(exchange(padded, group), lengths)]
 
 
-def check_same_module_on_all_ranks(kind: PassKind, step: int, module: Module) -> None:
+def check_same_module_on_all_ranks(kind: PassKind, step: int, module: Module, group=None) -> None:
     """Debug mode: raise on every rank before the fetch if the ranks are about to fetch different modules."""
-    if not distributed():
+    if not distributed(group):
         return
-    seen = [tuple(entry) for entry in exchange([step, module.ds_id])]
+    seen = [tuple(entry) for entry in exchange([step, module.ds_id], group)]
     if any(entry != seen[0] for entry in seen):
-        listing = ", ".join(f"rank {r}: step {st} module ds_id={mid}" for r, (st, mid) in enumerate(seen))
+        ranks = group_ranks(group, len(seen))
+        listing = ", ".join(f"rank {r}: step {st} module ds_id={mid}" for r, (st, mid) in zip(ranks, seen))
         raise RuntimeError(f"deepspeed-zero3 ({CHECK_RANKS_ENV}=1): ranks diverged in a {kind.value} pass; this rank "
                            f"(rank {dist.get_rank()}) is at step {step} in module {type(module).__name__} "
                            f"ds_id={module.ds_id}; {listing}. No mismatched all-gather was issued. "
@@ -88,7 +95,9 @@ def check_same_module_on_all_ranks(kind: PassKind, step: int, module: Module) ->
 class PassOrderCheck:
     """The module orders of the passes run since the last cross-rank check, and the check itself."""
 
-    def __init__(self):
+    def __init__(self, group=None):
+        # The ranks that gather together: the engine's data-parallel group (None: the world).
+        self.group = group
         self.pending: List[Tuple[int, PassKind, List[int]]] = []  # (pass number, kind, ds_ids)
         self.names: Dict[int, str] = {}  # ds_id -> module type, to name modules in the error
 
@@ -112,14 +121,14 @@ class PassOrderCheck:
         pending, self.pending = self.pending, []
         if len(self.names) > 100_000:
             self.names.clear()
-        if not distributed():
+        if not distributed(self.group):
             return
         data = array("q", flat).tobytes()
         fingerprint = [len(pending), len(flat), (zlib.crc32(data) << 32) | zlib.adler32(data)]
-        fingerprints = exchange([fingerprint[0], fingerprint[1], fingerprint[2] - (1 << 63)])
+        fingerprints = exchange([fingerprint[0], fingerprint[1], fingerprint[2] - (1 << 63)], self.group)
         if all(entry == fingerprints[0] for entry in fingerprints):
             return
-        raise RuntimeError(self.describe(pending, exchange_ragged(flat)))
+        raise RuntimeError(self.describe(pending, exchange_ragged(flat, self.group)))
 
     def describe(self, pending, orders: List[List[int]]) -> str:
         reference = orders[0]
@@ -128,8 +137,9 @@ class PassOrderCheck:
         position = next((i for i, (a, b) in enumerate(zip(reference, other)) if a != b), min(len(reference),
                                                                                             len(other)))
         parts = []
-        for rank in (0, differing):
-            parts.append(f"rank {rank}: {self.where(orders[rank], position)}")
+        ranks = group_ranks(self.group, len(orders))
+        for index in (0, differing):
+            parts.append(f"rank {ranks[index]}: {self.where(orders[index], position)}")
         first_pass = pending[0][0] if pending else "?"
         return (f"deepspeed-zero3: ranks ran different modules (checked after pass {first_pass + len(pending) - 1}, "
                 f"covering passes {first_pass}..{first_pass + len(pending) - 1}): " + "; ".join(parts) +
