@@ -207,7 +207,7 @@ class PartitionedParameterCoordinator:
                     keep = tuple(p for p in self.reuse_kept if trace.next_backward.next_use(p, -1) is not None)
             self._end_pass(aborted)
             self.release_all_ours(keep=keep)
-            if kind is PassKind.EVAL_FORWARD and not aborted:
+            if not aborted and self.order_check.due(kind):
                 self.order_check.check()  # [Note: diverging ranks]
 
     def begin_backward_pass(self) -> None:

@@ -39,6 +39,7 @@ from deepspeed_zero3.runtime.zero.stats import PassKind
 CHECK_RANKS_ENV = "DEEPSPEED_ZERO3_CHECK_RANKS"
 AGREEMENT_ADVICE = ("ZeRO-3 needs every rank to run the same modules in the same order; make data-dependent "
                     "control flow agree across ranks (decide it on one rank and broadcast it).")
+MAX_PENDING_PASSES = 32
 _KIND_CODES = {kind: -10 - index for index, kind in enumerate(PassKind)}
 _KINDS_BY_CODE = {code: kind for kind, code in _KIND_CODES.items()}
 
@@ -107,6 +108,11 @@ class PassOrderCheck:
             self.names.setdefault(module.ds_id, type(module).__name__)
         self.pending.append((number, kind, ids))
 
+    def due(self, kind: PassKind) -> bool:
+        """Check after a backward or a no-grad forward (where the runtime stops anyway), and after a run of
+        forwards with grad that no backward followed (bounded memory for the pending orders)."""
+        return kind is not PassKind.FORWARD or len(self.pending) >= MAX_PENDING_PASSES
+
     def flat(self) -> List[int]:
         """The pending orders as one sequence: a kind marker, then that pass's ds_ids."""
         out: List[int] = []
@@ -128,7 +134,9 @@ class PassOrderCheck:
         fingerprints = exchange([fingerprint[0], fingerprint[1], fingerprint[2] - (1 << 63)], self.group)
         if all(entry == fingerprints[0] for entry in fingerprints):
             return
-        raise RuntimeError(self.describe(pending, exchange_ragged(flat, self.group)))
+        orders = exchange_ragged(flat, self.group)
+        if any(order != orders[0] for order in orders):  # else a fingerprint collision: the orders agree
+            raise RuntimeError(self.describe(pending, orders))
 
     def describe(self, pending, orders: List[List[int]]) -> str:
         reference = orders[0]
@@ -140,9 +148,9 @@ class PassOrderCheck:
         ranks = group_ranks(self.group, len(orders))
         for index in (0, differing):
             parts.append(f"rank {ranks[index]}: {self.where(orders[index], position)}")
-        first_pass = pending[0][0] if pending else "?"
-        return (f"deepspeed-zero3: ranks ran different modules (checked after pass {first_pass + len(pending) - 1}, "
-                f"covering passes {first_pass}..{first_pass + len(pending) - 1}): " + "; ".join(parts) +
+        covered = f"passes {pending[0][0]}..{pending[-1][0]}" if pending else "no pass on this rank"
+        return (f"deepspeed-zero3: ranks ran different modules (checked after pass "
+                f"{pending[-1][0] if pending else '-'}, covering {covered}): " + "; ".join(parts) +
                 f". Parameters gathered since that point may have paired different shards across ranks; this "
                 f"step must not be applied. {AGREEMENT_ADVICE} Set {CHECK_RANKS_ENV}=1 to stop before the "
                 f"first mismatched all-gather instead.")
