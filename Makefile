@@ -16,7 +16,7 @@ export PYTHONUNBUFFERED := 1
 LAUNCH = $(BIN)/deepspeed --num_gpus $(NPROC) --master_port $(PORT)
 DIST_PYTEST = --no_local_rank --module pytest -q -p no:cacheprovider
 
-.PHONY: venv venv-int demo test test-unit test-parity test-distributed test-world4 test-integration bench clean-locks clean
+.PHONY: venv venv-int demo test test-unit test-parity test-distributed test-world4 test-integration bench soak clean-locks clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -62,6 +62,12 @@ test-distributed: venv clean-locks
 # Options through BENCH_ARGS, e.g. make bench BENCH_ARGS="--model a --steps 8".
 bench: venv clean-locks
 	$(BIN)/python -m deepspeed_zero3.bench $(BENCH_ARGS)
+
+# Soak (not part of `make test`): 500 steps of training, eval forwards, generation and extra engines over one
+# model on 2 ranks; table on stdout, soak-out/soak.json and soak-out/soak.png; exits 1 unless live gathered
+# numel, ZeRO hooks and RSS stay flat. Options through SOAK_ARGS, e.g. make soak SOAK_ARGS="--steps 1500".
+soak: venv clean-locks
+	$(BIN)/python -m deepspeed_zero3.bench.soak $(SOAK_ARGS)
 
 test-integration: venv-int clean-locks
 	$(BIN)/python -m pytest -q $(INT_DIR)
