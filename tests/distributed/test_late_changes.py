@@ -8,7 +8,7 @@ import torch
 
 import deepspeed
 import deepspeed_zero3
-from deepspeed_zero3.testing.engines import batch, mse_loss, train_step, training_engine, zero3_config
+from deepspeed_zero3.testing.engines import batch, train_step, training_engine, zero3_config
 from deepspeed_zero3.testing.models import model_b
 
 CONFIG = zero3_config(bucket=20_000, reuse=0)

@@ -224,8 +224,8 @@ def parse_args(argv=None):
     return args
 
 
-def main(argv=None):
-    args = parse_args(argv)
+def init_process_group():
+    """gloo on CPU (one share of the cores per rank), NCCL when there are GPUs; returns (rank, world, device, backend)."""
     use_cuda = torch.cuda.is_available() and os.environ.get("DS_ACCELERATOR", "cuda") != "cpu"
     local_size = int(os.environ.get("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", "1")))
     if not use_cuda:
@@ -233,12 +233,18 @@ def main(argv=None):
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_size)))
     backend = "nccl" if use_cuda else "gloo"
     deepspeed.init_distributed(dist_backend=backend, timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))
-    rank = torch.distributed.get_rank()
-    world = torch.distributed.get_world_size()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if use_cuda:
         torch.cuda.set_device(local_rank)
     device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    return torch.distributed.get_rank(), torch.distributed.get_world_size(), device, backend
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    rank, world, device, backend = init_process_group()
+    use_cuda = device.type == "cuda"
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     # Crash agreement has its own group, so it never pairs with a collective a crashed rank left half done.
     status_group = torch.distributed.new_group(backend="gloo",
                                                timeout=datetime.timedelta(seconds=2 * PG_TIMEOUT_S + 30))

@@ -21,7 +21,6 @@ Exit status: 0 when every enforced criterion holds (``--relaxed`` enforces only 
 one fails, 2 when our runtime is not the one running.
 """
 
-import datetime
 import os
 import sys
 import time
@@ -35,7 +34,7 @@ import deepspeed
 from deepspeed_zero3.bench.soak import options, plot, report
 from deepspeed_zero3.bench.soak.probe import Probe, module_hooks
 from deepspeed_zero3.bench.soak.workload import Workload, event_names
-from deepspeed_zero3.bench.worker import PG_TIMEOUT_S, runtime_name, write_json
+from deepspeed_zero3.bench.worker import init_process_group, runtime_name, write_json
 from deepspeed_zero3.runtime.zero.param_registry import find_registry
 from deepspeed_zero3.testing.models import count_params
 
@@ -45,21 +44,6 @@ def parse_args(argv=None):
     parser.add_argument("--local_rank", type=int, default=-1)  # appended by the launcher
     args, _ = parser.parse_known_args(argv)
     return options.check_args(parser, args)
-
-
-def init_process_group():
-    """gloo on CPU (one share of the cores per rank), NCCL when there are GPUs; returns (rank, world, device, backend)."""
-    use_cuda = torch.cuda.is_available() and os.environ.get("DS_ACCELERATOR", "cuda") != "cpu"
-    local_size = int(os.environ.get("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    if not use_cuda:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_size)))
-    backend = "nccl" if use_cuda else "gloo"
-    deepspeed.init_distributed(dist_backend=backend, timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if use_cuda:
-        torch.cuda.set_device(local_rank)
-    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
-    return torch.distributed.get_rank(), torch.distributed.get_world_size(), device, backend
 
 
 def run(args, rank: int, device: torch.device) -> dict:

@@ -24,7 +24,7 @@ What differs from upstream, in one place:
 import enum
 import os
 import threading
-from typing import Dict, Iterable, List, Optional
+from typing import Dict, Iterable, Optional
 
 import torch
 from torch.nn import Module, Parameter
