@@ -115,6 +115,41 @@ def test_exception_in_custom_autograd_backward():
     engine.destroy()
 
 
+def test_abandon_step_with_gradient_accumulation_drops_the_window_so_far():
+    """gradient_accumulation_steps=2: after abandon_step the boundary step uses only the micro-batches after it,
+    exactly as a window whose earlier micro-batch contributed zero gradients."""
+    config = zero3_config(bucket=20_000, reuse=0, grad_accum=2)
+
+    def micro(engine, step, scale=1.0):
+        loss = mse_loss(engine(batch(step, rank())))
+        engine.backward(loss * scale)
+        engine.step()
+        return loss.item()
+
+    torch.manual_seed(0)
+    reference = training_engine(model_with_exploding_backward(), config)
+    expected = [micro(reference, 0), micro(reference, 1), micro(reference, 2, scale=0.0), micro(reference, 4),
+                micro(reference, 5), micro(reference, 6)]
+    expected_params = final_params(reference)
+    reference.destroy()
+
+    torch.manual_seed(0)
+    engine = training_engine(model_with_exploding_backward(), config)
+    losses = [micro(engine, 0), micro(engine, 1), micro(engine, 2)]
+    loss = mse_loss(engine(batch(3, rank())))
+    ExplodingBackward.armed = True
+    try:
+        with pytest.raises(Boom):
+            engine.backward(loss)
+    finally:
+        ExplodingBackward.armed = False
+    deepspeed_zero3.abandon_step(engine)
+    losses += [micro(engine, 4), micro(engine, 5), micro(engine, 6)]
+    assert losses == expected
+    assert all(torch.equal(a, b) for a, b in zip(final_params(engine), expected_params))
+    engine.destroy()
+
+
 def test_failed_backward_without_abandon_step_releases_at_next_forward(caplog):
     """No optimizer state involved (autograd.grad on an inference engine): the runtime recovers on its own."""
     torch.manual_seed(0)
