@@ -29,7 +29,7 @@ import deepspeed.runtime.zero.partitioned_param_coordinator as partitioned_param
 
 from deepspeed_zero3.testing.engines import train_step, training_engine, zero3_config
 from deepspeed_zero3.testing.models import model_b
-from scenarios import PREFETCH, Run, runtime_name, write, x
+from scenarios import PREFETCH, Run, finish, runtime_name, write, x
 
 TAG = "step3"
 SAVE_AT = 3  # steps trained before the checkpoint; as many follow it
@@ -119,16 +119,8 @@ def main():
     except Exception as exc:
         results["error"] = f"{type(exc).__name__}: {exc}"[:2000]
         sys.stderr.write(f"[rank {rank}] checkpoint_cross failed:\n{traceback.format_exc()}\n")
-        if rank == 0:
-            write(out, results)
-        sys.stderr.flush()
-        os._exit(1)  # the launcher then stops the other rank rather than leave it waiting in a collective
-    torch.distributed.barrier()
-    if rank == 0:
-        write(out, results)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+        finish(out, results, barrier=False, status=1)
+    finish(out, results)
 
 
 if __name__ == "__main__":

@@ -501,14 +501,22 @@ def main():
             print(f"[parity {runtime_name()} w{world}] {name}: {record['status']} {record['seconds']}s"
                   + (f" ({record['error']})" if record["error"] else ""), flush=True)
             write(out, results)
-    if stopped is None:
+    finish(out, results, barrier=stopped is None)
+
+
+def finish(out: Path, results: dict, barrier: bool = True, status: int = 0):
+    """Rank 0 writes the results (after every rank is done, unless a rank is known stopped); the process ends.
+
+    ``os._exit``: a crashed scenario's leftovers must not hold the process, and a failing rank must leave at once
+    so the launcher stops the others instead of leaving them waiting in a collective.
+    """
+    if barrier:
         torch.distributed.barrier()
     if rank() == 0:
         write(out, results)
-    # A crashed scenario's leftovers must not hold the process; nothing else runs after the results are written.
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(status)
 
 
 if __name__ == "__main__":
