@@ -8,22 +8,30 @@ from deepspeed_zero3.runtime.zero.rank_agreement import (CHECK_RANKS_ENV, MAX_PE
 from deepspeed_zero3.runtime.zero.stats import PassKind
 
 
-def numbered(*ids):
+class Other(nn.Identity):
+    pass
+
+
+def numbered(*ids, kind=nn.Identity):
     modules = []
     for ds_id in ids:
-        module = nn.Identity()
+        module = kind()
         module.ds_id = ds_id
         modules.append(module)
     return modules
+
+
+def add(check, number, kind, modules):
+    check.add(number, kind, [m.ds_id for m in modules], modules)
 
 
 def test_due_after_backward_and_eval_forward_and_a_bounded_run_of_forwards():
     check = PassOrderCheck()
     assert check.due(PassKind.BACKWARD) and check.due(PassKind.EVAL_FORWARD)
     for number in range(MAX_PENDING_PASSES - 1):
-        check.add(number, PassKind.FORWARD, numbered(0, 1))
+        add(check, number, PassKind.FORWARD, numbered(0, 1))
         assert not check.due(PassKind.FORWARD)
-    check.add(MAX_PENDING_PASSES, PassKind.FORWARD, numbered(0, 1))
+    add(check, MAX_PENDING_PASSES, PassKind.FORWARD, numbered(0, 1))
     assert check.due(PassKind.FORWARD)
     check.check()  # no process group: nothing to compare, and the pending orders are dropped
     assert check.pending == []
@@ -31,21 +39,21 @@ def test_due_after_backward_and_eval_forward_and_a_bounded_run_of_forwards():
 
 def test_message_names_each_ranks_pass_step_and_module():
     check = PassOrderCheck()
-    check.add(4, PassKind.FORWARD, numbered(0, 1, 2))
-    check.add(5, PassKind.BACKWARD, numbered(2, 1, 0))
+    add(check, 3, PassKind.EVAL_FORWARD, numbered(7, kind=Other))  # this rank ran ds_id 7 too, earlier
+    add(check, 4, PassKind.FORWARD, numbered(0, 1, 2))
+    add(check, 5, PassKind.BACKWARD, numbered(2, 1, 0))
     mine = check.flat()
     other = list(mine)
     other[-2] = 7  # the backward's step 1 ran another module
-    check.names[7] = "Other"
     message = check.describe(check.pending, [mine, other])
     assert message.startswith("deepspeed-zero3: ranks ran different modules (checked after pass 5, covering "
-                              "passes 4..5): rank 0: backward pass, step 1, module Identity ds_id=1; rank 1: "
+                              "passes 3..5): rank 0: backward pass, step 1, module Identity ds_id=1; rank 1: "
                               "backward pass, step 1, module Other ds_id=7.")
 
 
 def test_message_when_one_rank_ran_fewer_modules():
     check = PassOrderCheck()
-    check.add(0, PassKind.EVAL_FORWARD, numbered(0, 1, 2))
+    add(check, 0, PassKind.EVAL_FORWARD, numbered(0, 1, 2))
     mine = check.flat()
     message = check.describe(check.pending, [mine, mine[:-1]])
     assert "rank 0: eval_forward pass, step 2, module Identity ds_id=2; rank 1: eval_forward pass, ended before " \

@@ -123,8 +123,8 @@ class DeepSpeedZeRoOffload:
                 zero_quantized_weights=zero_quantized_weights,
                 zero_quantized_nontrainable_weights=zero_quantized_nontrainable_weights,
                 log_trace_cache_warnings=log_trace_cache_warnings,
+                data_parallel_group=dp_process_group,
             )
-            coordinator.order_check.group = dp_process_group
             registry = ParamStateRegistry(coordinator, fixed)
         self.registry = registry
         self.param_coordinator = registry.coordinator

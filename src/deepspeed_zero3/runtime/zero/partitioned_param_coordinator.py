@@ -79,6 +79,7 @@ class PartitionedParameterCoordinator:
         fast_sharding_for_leaf_module: bool = False,
         log_trace_cache_warnings: bool = False,
         trace_cache_size: int = 8,
+        data_parallel_group=None,
     ) -> None:
         if prefetch_nvme:
             raise NotImplementedError(NVME_NOT_SUPPORTED)
@@ -110,7 +111,7 @@ class PartitionedParameterCoordinator:
         self.root_depth = 0
         self.stats_every = stats_every_from_env(os.environ)
         self.check_ranks = check_ranks_from_env(os.environ)
-        self.order_check = PassOrderCheck()
+        self.order_check = PassOrderCheck(data_parallel_group)
         self.backward_passes = 0
         # Autograd may run backward hooks on its own threads (GPU, multi-output z3 leaf modules).
         self.lock = threading.RLock()
@@ -238,7 +239,7 @@ class PartitionedParameterCoordinator:
             self.active_backward.clear()
             self._end_pass(aborted)
             self.release_all_ours(keep=())
-            if not aborted:
+            if not aborted and self.order_check.due(PassKind.BACKWARD):
                 self.order_check.check()  # [Note: diverging ranks]
             self.backward_passes += 1
             if self.stats_every and self.backward_passes % self.stats_every == 0 and (not dist.is_initialized()
@@ -254,7 +255,8 @@ class PartitionedParameterCoordinator:
         # An aborted pass is not compared: its exception may have hit one rank only, and a collective now
         # would pair with whatever the other ranks are running.
         if not aborted and self.progress.observed:
-            self.order_check.add(self.stats.current.index, self.progress.kind, self.progress.observed)
+            self.order_check.add(self.stats.current.index, self.progress.kind, self.progress.observed_ids,
+                                 self.progress.observed)
         self.stats.end_pass(aborted=aborted)
         self.phase = PassPhase.IDLE
         self.progress = None

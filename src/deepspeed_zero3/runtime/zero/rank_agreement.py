@@ -99,14 +99,12 @@ class PassOrderCheck:
     def __init__(self, group=None):
         # The ranks that gather together: the engine's data-parallel group (None: the world).
         self.group = group
-        self.pending: List[Tuple[int, PassKind, List[int]]] = []  # (pass number, kind, ds_ids)
-        self.names: Dict[int, str] = {}  # ds_id -> module type, to name modules in the error
+        # (pass number, kind, ds_ids, modules): the pass's own lists, kept, not copied; the modules only
+        # name themselves in an error.
+        self.pending: List[Tuple[int, PassKind, Sequence[int], Sequence[Module]]] = []
 
-    def add(self, number: int, kind: PassKind, modules: Sequence[Module]) -> None:
-        ids = [m.ds_id for m in modules]
-        for module in modules:
-            self.names.setdefault(module.ds_id, type(module).__name__)
-        self.pending.append((number, kind, ids))
+    def add(self, number: int, kind: PassKind, ids: Sequence[int], modules: Sequence[Module]) -> None:
+        self.pending.append((number, kind, ids, modules))
 
     def due(self, kind: PassKind) -> bool:
         """Check after a backward or a no-grad forward (where the runtime stops anyway), and after a run of
@@ -116,22 +114,22 @@ class PassOrderCheck:
     def flat(self) -> List[int]:
         """The pending orders as one sequence: a kind marker, then that pass's ds_ids."""
         out: List[int] = []
-        for _, kind, ids in self.pending:
+        for _, kind, ids, _ in self.pending:
             out.append(_KIND_CODES[kind])
             out.extend(ids)
         return out
 
     def check(self) -> None:
         """Compare the pending orders across ranks (one all_gather of 3 integers); raise on every rank if they differ."""
+        if not distributed(self.group):
+            self.pending = []
+            return
         flat = self.flat()
         pending, self.pending = self.pending, []
-        if len(self.names) > 100_000:
-            self.names.clear()
-        if not distributed(self.group):
-            return
         data = array("q", flat).tobytes()
-        fingerprint = [len(pending), len(flat), (zlib.crc32(data) << 32) | zlib.adler32(data)]
-        fingerprints = exchange([fingerprint[0], fingerprint[1], fingerprint[2] - (1 << 63)], self.group)
+        # crc32 and adler32 in one int64 (shifted into its signed range).
+        digest = ((zlib.crc32(data) << 32) | zlib.adler32(data)) - (1 << 63)
+        fingerprints = exchange([len(pending), len(flat), digest], self.group)
         if all(entry == fingerprints[0] for entry in fingerprints):
             return
         orders = exchange_ragged(flat, self.group)
@@ -144,10 +142,10 @@ class PassOrderCheck:
         other = orders[differing]
         position = next((i for i, (a, b) in enumerate(zip(reference, other)) if a != b), min(len(reference),
                                                                                             len(other)))
-        parts = []
+        # Modules are named from what this rank ran in the window (ds_ids are the same on every rank).
+        names = {m.ds_id: type(m).__name__ for *_, modules in pending for m in modules}
         ranks = group_ranks(self.group, len(orders))
-        for index in (0, differing):
-            parts.append(f"rank {ranks[index]}: {self.where(orders[index], position)}")
+        parts = [f"rank {ranks[i]}: {where(orders[i], position, names)}" for i in (0, differing)]
         covered = f"passes {pending[0][0]}..{pending[-1][0]}" if pending else "no pass on this rank"
         return (f"deepspeed-zero3: ranks ran different modules (checked after pass "
                 f"{pending[-1][0] if pending else '-'}, covering {covered}): " + "; ".join(parts) +
@@ -155,17 +153,18 @@ class PassOrderCheck:
                 f"step must not be applied. {AGREEMENT_ADVICE} Set {CHECK_RANKS_ENV}=1 to stop before the "
                 f"first mismatched all-gather instead.")
 
-    def where(self, order: List[int], position: int) -> str:
-        """'<kind> pass, step <s>, module <type> ds_id=<id>' for the entry at ``position`` of a flat order."""
-        kind, step = None, -1
-        for value in order[:position + 1]:
-            if value in _KINDS_BY_CODE:
-                kind, step = _KINDS_BY_CODE[value], -1
-            else:
-                step += 1
-        if position >= len(order):
-            return f"{kind.value if kind else 'no'} pass, ended before step {step + 1}"
-        value = order[position]
+
+def where(order: List[int], position: int, names: Dict[int, str]) -> str:
+    """'<kind> pass, step <s>, module <type> ds_id=<id>' for the entry at ``position`` of a flat order."""
+    kind, step = None, -1
+    for value in order[:position + 1]:
         if value in _KINDS_BY_CODE:
-            return f"began a {_KINDS_BY_CODE[value].value} pass at this point"
-        return (f"{kind.value} pass, step {step}, module {self.names.get(value, 'module')} ds_id={value}")
+            kind, step = _KINDS_BY_CODE[value], -1
+        else:
+            step += 1
+    if position >= len(order):
+        return f"{kind.value if kind else 'no'} pass, ended before step {step + 1}"
+    value = order[position]
+    if value in _KINDS_BY_CODE:
+        return f"began a {_KINDS_BY_CODE[value].value} pass at this point"
+    return f"{kind.value} pass, step {step}, module {names.get(value, 'module')} ds_id={value}"
