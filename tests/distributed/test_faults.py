@@ -5,8 +5,8 @@ import torch
 
 import deepspeed
 import deepspeed_zero3
-from deepspeed_zero3.testing.engines import (batch, inference_engine, mse_loss, train_step, training_engine,
-                                             zero3_config)
+from deepspeed_zero3.testing.engines import (batch, gathered_copies, inference_engine, mse_loss, train_step,
+                                             training_engine, zero3_config)
 from deepspeed_zero3.testing.models import model_b
 
 CONFIG = zero3_config(bucket=20_000, reuse=0)
@@ -23,8 +23,13 @@ def rank():
 
 
 def final_params(engine):
-    with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
-        return [p.detach().clone() for p in engine.module.parameters()]
+    return gathered_copies(engine.module.parameters())
+
+
+def assert_replayed(engine, last: int) -> None:
+    """The last ``last`` passes replayed recorded traces: no re-record, nothing fetched on demand."""
+    for p in deepspeed_zero3.get_zero3_stats(engine)["passes"][-last:]:
+        assert p["trace_records"] == 0 and p["demand_numel"] == 0, p
 
 
 def clean_run(steps):
@@ -62,8 +67,7 @@ def test_exception_in_submodule_forward():
     assert losses == expected_losses
     assert all(torch.equal(a, b) for a, b in zip(final_params(engine), expected_params))
     # The trace recorded before the fault is still used: no re-record, no demand fetch.
-    for p in deepspeed_zero3.get_zero3_stats(engine)["passes"][-2:]:
-        assert p["trace_records"] == 0 and p["demand_numel"] == 0, p
+    assert_replayed(engine, 2)
     engine.destroy()
 
 
@@ -110,8 +114,7 @@ def test_exception_in_custom_autograd_backward():
     assert losses == expected_losses
     assert all(torch.equal(a, b) for a, b in zip(final_params(engine), expected_params))
     # The half-run backward recorded no trace: the next steps replay the full ones, nothing on demand.
-    for p in deepspeed_zero3.get_zero3_stats(engine)["passes"][-4:]:
-        assert p["trace_records"] == 0 and p["demand_numel"] == 0, p
+    assert_replayed(engine, 4)
     engine.destroy()
 
 
@@ -179,8 +182,7 @@ def test_failed_backward_without_abandon_step_releases_at_next_forward(caplog):
     assert [(p["kind"], p["aborted"]) for p in passes[-5:]] == [("forward", False), ("backward", True),
                                                                 ("forward", False), ("backward", False),
                                                                 ("forward", False)]
-    for p in passes[-3:]:
-        assert p["trace_records"] == 0 and p["demand_numel"] == 0, p
+    assert_replayed(engine, 3)
     engine.destroy()
 
 

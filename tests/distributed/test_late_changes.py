@@ -8,7 +8,7 @@ import torch
 
 import deepspeed
 import deepspeed_zero3
-from deepspeed_zero3.testing.engines import batch, train_step, training_engine, zero3_config
+from deepspeed_zero3.testing.engines import batch, gathered_copies, train_step, training_engine, zero3_config
 from deepspeed_zero3.testing.models import model_b
 
 CONFIG = zero3_config(bucket=20_000, reuse=0)
@@ -37,9 +37,7 @@ class WithTail(torch.nn.Module):
 
 
 def body_params(engine):
-    params = list(engine.module.body.parameters())
-    with deepspeed.zero.GatheredParameters(params):
-        return [p.detach().clone() for p in params]
+    return gathered_copies(engine.module.body.parameters())
 
 
 def late_linear():
@@ -100,12 +98,7 @@ def test_replaced_parameter_is_refused_with_what_to_do():
             head.weight.copy_(torch.zeros(4, 64))
     with torch.no_grad():
         out = engine(batch(1, rank()))
-    assert torch.equal(out, _full(head.bias).expand(4, 4))  # a zero weight on every rank: the output is the bias
+    assert torch.equal(out, gathered_copies([head.bias])[0].expand(4, 4))  # a zero weight on every rank: the output is the bias
     losses.append(train_step(engine, batch(2, rank())))
     assert all(loss > 0 for loss in losses)
     engine.destroy()
-
-
-def _full(param):
-    with deepspeed.zero.GatheredParameters(param):
-        return param.detach().clone()

@@ -43,6 +43,13 @@ def inference_engine(model, config: dict):
     return engine
 
 
+def gathered_copies(params) -> list:
+    """Full copies of ZeRO-3 parameters (gathered on every rank), for bitwise comparison after release."""
+    params = list(params)
+    with deepspeed.zero.GatheredParameters(params):
+        return [p.detach().clone() for p in params]
+
+
 def batch(step: int, rank: int, shape=(4, 16), seed: int = 1234) -> torch.Tensor:
     """The same input for the same (step, rank) in every run, whatever the runtime."""
     generator = torch.Generator().manual_seed(seed + 7919 * step + 104729 * rank)
