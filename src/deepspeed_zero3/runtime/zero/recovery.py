@@ -18,6 +18,8 @@ accumulation, so the gradients of the window so far are discarded: a partially
 reduced backward cannot be subtracted from the accumulated partitions.
 """
 
+from deepspeed.runtime.engine import DeepSpeedEngine
+
 from deepspeed_zero3.runtime.zero.stats_api import coordinator_of
 
 
@@ -29,8 +31,12 @@ def abandon_step(engine) -> None:
     forward/backward/step then trains as if the abandoned micro-batches had never been seen. Idempotent;
     call it on every rank that abandons (all of them, as for any collective step).
     """
-    coordinator_of(engine).reset_step(abandoning=True)
-    optimizer = getattr(engine, "optimizer", None)
+    if not isinstance(engine, DeepSpeedEngine):
+        # A module or an optimizer would release the parameters but leave stage 3's gradients in place.
+        raise TypeError(f"abandon_step expects the engine returned by deepspeed.initialize; got "
+                        f"{type(engine).__name__}")
+    coordinator_of(engine, api="abandon_step").reset_step(abandoning=True)
+    optimizer = engine.optimizer
     buckets = getattr(optimizer, "ipg_buckets", None)
     if buckets is None:
         return  # no ZeRO-3 optimizer (an inference engine): no gradient state to drop

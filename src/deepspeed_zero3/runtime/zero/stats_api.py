@@ -3,8 +3,11 @@
 from deepspeed_zero3.runtime.zero.param_registry import find_registry
 
 
-def coordinator_of(target):
-    """The coordinator behind an engine, a ZeRO-3 optimizer, a DeepSpeedZeRoOffload, or a managed module."""
+def coordinator_of(target, api: str = "get_zero3_stats"):
+    """The coordinator behind an engine, a ZeRO-3 optimizer, a DeepSpeedZeRoOffload, or a managed module.
+
+    ``api`` names the public function asking, for the error message.
+    """
     optimizer = getattr(target, "optimizer", None)
     offload = getattr(optimizer, "parameter_offload", None) or optimizer
     coordinator = getattr(offload, "param_coordinator", None)
@@ -16,7 +19,7 @@ def coordinator_of(target):
         registry = find_registry(target)
         coordinator = registry.coordinator if registry is not None else None
     if coordinator is None or not hasattr(coordinator, "stats"):
-        raise ValueError(f"get_zero3_stats expects a DeepSpeed engine running ZeRO stage 3 with the deepspeed-zero3 "
+        raise ValueError(f"{api} expects a DeepSpeed engine running ZeRO stage 3 with the deepspeed-zero3 "
                          f"runtime (or its module); got {type(target).__name__}. Is the overlay active? "
                          f"Run `python -m deepspeed_zero3`.")
     return coordinator
