@@ -14,6 +14,9 @@ export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.torch_extensions
 export DS_ACCELERATOR ?= $(ACCEL)
 export PYTHONUNBUFFERED := 1
 LAUNCH = $(BIN)/deepspeed --num_gpus $(NPROC) --master_port $(PORT)
+# Upstream's CPU shm allreduce leaves a 66 MB buffer per rank in /dev/shm (memory) for each port it ran on and
+# never unlinks it; a launch on $(PORT) ends by removing them, keeping its exit status.
+RELEASE_SHM = status=$$?; rm -f /dev/shm/deepspeed_allreduce_buffer_$$(id -u)_*_$(PORT)_*; exit $$status
 DIST_PYTEST = --no_local_rank --module pytest -q -p no:cacheprovider
 
 .PHONY: venv venv-int demo test test-unit test-parity test-distributed test-world4 test-integration bench soak clean-locks clean
@@ -28,7 +31,13 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml setup.py $(shell find src -name
 	$(BIN)/pip install -q ".[test]"
 	touch $@
 
-venv: $(VENV)/.installed
+# DeepSpeed's CPU comm op, built once here rather than by the first launch's ranks racing under a test timeout.
+$(VENV)/.ops: $(VENV)/.installed
+	@find $(TORCH_EXTENSIONS_DIR) -name lock -delete 2>/dev/null || true
+	$(BIN)/python -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()"
+	touch $@
+
+venv: $(VENV)/.installed $(VENV)/.ops
 
 # tests/integration runs the real client libraries (Lightning, transformers, accelerate): installed
 # into the same venv afterwards, pinned, with torch and deepspeed held where they are by constraints.
@@ -45,7 +54,7 @@ clean-locks:
 	@find $(TORCH_EXTENSIONS_DIR) -name lock -delete 2>/dev/null || true
 
 demo: venv clean-locks
-	$(LAUNCH) examples/train_gpt.py
+	$(LAUNCH) examples/train_gpt.py; $(RELEASE_SHM)
 
 test: test-unit test-parity test-distributed test-world4 test-integration
 
@@ -56,7 +65,7 @@ test-parity: venv clean-locks
 	$(BIN)/python -m pytest -q tests/parity
 
 test-distributed: venv clean-locks
-	$(LAUNCH) $(DIST_PYTEST) tests/distributed
+	$(LAUNCH) $(DIST_PYTEST) tests/distributed; $(RELEASE_SHM)
 
 # Upstream vs ours side by side (two launches, one at a time): tables on stdout, results.json and plots in bench-out/.
 # Options through BENCH_ARGS, e.g. make bench BENCH_ARGS="--model a --steps 8".
@@ -69,11 +78,11 @@ bench: venv clean-locks
 soak: venv clean-locks
 	$(BIN)/python -m deepspeed_zero3.bench.soak $(SOAK_ARGS)
 
-test-integration: venv-int clean-locks
+test-integration: venv venv-int clean-locks
 	$(BIN)/python -m pytest -q $(INT_DIR)
 
 test-world4: venv clean-locks
-	LOCAL_SIZE=4 $(BIN)/deepspeed --num_gpus 4 --master_port $(PORT) $(DIST_PYTEST) -m world_size tests/distributed
+	LOCAL_SIZE=4 $(BIN)/deepspeed --num_gpus 4 --master_port $(PORT) $(DIST_PYTEST) -m world_size tests/distributed; $(RELEASE_SHM)
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info .torch_extensions demo-out

@@ -3,10 +3,11 @@
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
+
+from deepspeed_zero3.testing.ports import LaunchPort
 
 HERE = Path(__file__).resolve().parent
 # ZERO3_INTEGRATION_AGAINST_UPSTREAM=1 runs the flows meant for our runtime with the kill switch
@@ -14,12 +15,6 @@ HERE = Path(__file__).resolve().parent
 AGAINST_UPSTREAM = os.environ.get("ZERO3_INTEGRATION_AGAINST_UPSTREAM") == "1"
 MAIN_RUNTIME = "upstream" if AGAINST_UPSTREAM else "overlay"
 LAUNCH_TIMEOUT_S = int(os.environ.get("ZERO3_INTEGRATION_LAUNCH_TIMEOUT", "420"))
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class Launch:
@@ -56,10 +51,10 @@ def launch(script: str, flows, out: Path, upstream: bool) -> Launch:
     env["DEEPSPEED_ZERO3"] = "0" if upstream else "1"
     env["PYTHONUNBUFFERED"] = "1"
     env.pop("RANK", None), env.pop("WORLD_SIZE", None), env.pop("LOCAL_RANK", None)
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-               str(free_port()), str(HERE / script), "--out", str(out), "--flows", ",".join(flows)]
     log = out / "launch.log"
-    with open(log, "w") as handle:
+    with LaunchPort() as port, open(log, "w") as handle:
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                   str(port.port), str(HERE / script), "--out", str(out), "--flows", ",".join(flows)]
         process = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, env=env, cwd=str(HERE),
                                    start_new_session=True)
         try:

@@ -5,19 +5,14 @@ DEEPSPEED_ZERO3, which is read at interpreter start: one launch per runtime.
 """
 
 import os
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from deepspeed_zero3.testing.ports import LaunchPort
+
 REPO = Path(__file__).resolve().parent.parent.parent
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def launch(script: Path, runtime: str, world: int, args, log: Path, timeout_s: int) -> dict:
@@ -26,9 +21,9 @@ def launch(script: Path, runtime: str, world: int, args, log: Path, timeout_s: i
     env.update(DS_ACCELERATOR="cpu", LOCAL_SIZE=str(world), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     env["DEEPSPEED_ZERO3"] = "0" if runtime == "upstream" else "1"
     launcher = Path(sys.executable).parent / "deepspeed"
-    command = [str(launcher), "--num_gpus", str(world), "--master_port", str(free_port()), str(script), *args]
     start = time.time()
-    with open(log, "w") as log_file:
+    with LaunchPort() as port, open(log, "w") as log_file:
+        command = [str(launcher), "--num_gpus", str(world), "--master_port", str(port.port), str(script), *args]
         proc = subprocess.Popen(command, env=env, stdout=log_file, stderr=subprocess.STDOUT, cwd=REPO,
                                 start_new_session=True)
         try:
@@ -37,7 +32,8 @@ def launch(script: Path, runtime: str, world: int, args, log: Path, timeout_s: i
             os.killpg(proc.pid, 9)  # the launcher and its ranks, nothing else
             proc.wait()
             rc = "timeout"
-    return {"rc": rc, "seconds": round(time.time() - start, 1), "log": log}
+    return {"rc": rc, "seconds": round(time.time() - start, 1), "log": log, "port": port.port,
+            "shm_freed": port.shm_freed}
 
 
 def log_tail(run, lines=40) -> str:

@@ -136,3 +136,19 @@ def test_every_scenario_recorded(runs, world):
             assert run["rc"] == 0, (run["rc"], log_tail(run))
         elif missing or skipped:
             pytest.xfail(f"upstream w{world} did not record {missing + skipped}")
+
+
+# deepspeed 0.19.8's shm allreduce workspace (csrc/cpu/comm/shm.cpp, struct allreduce_workspace), one per rank.
+SHM_BUFFER_BYTES = 69_206_024
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_launches_gave_back_their_shm_buffers(runs, world):
+    """Every CPU launch leaves one shm buffer per rank under both runtimes (upstream never unlinks it), and the
+    launch helper removed exactly those: a test run no longer fills /dev/shm, which is memory."""
+    from deepspeed_zero3.testing.ports import shm_buffers
+
+    for runtime in RUNTIMES:
+        run = runs[runtime, world]
+        assert run["shm_freed"] == world * SHM_BUFFER_BYTES, (runtime, world, run["shm_freed"])
+        assert shm_buffers(run["port"]) == []

@@ -17,12 +17,12 @@ import os
 import platform
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from deepspeed_zero3.testing.ports import free_port, release_shm_buffers
 from deepspeed_zero3.bench import DEFAULT_BUCKET, DEFAULT_STEPS, DEFAULT_WARMUP, RUNTIMES, SCENARIOS
 
 LAUNCH_TIMEOUT_S = 1800
@@ -61,12 +61,6 @@ def parse_args(argv=None):
         parser.error("--steps must be >= 1, --warmup >= 0, --world >= 1")
     args.scenarios = [s for s in SCENARIOS if s in wanted]  # canonical order: validate_fit last
     return args
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def find_launcher() -> str:
@@ -150,6 +144,7 @@ class Launch:
                     self._stop(proc)
                     self.returncode = proc.returncode
                     break
+        release_shm_buffers(self.port)
         self.seconds = time.time() - start
         self.loadavg = [round(load_before, 2), round(os.getloadavg()[0], 2)]
         return done

@@ -13,9 +13,10 @@ import sys
 import time
 from pathlib import Path
 
-from deepspeed_zero3.bench.__main__ import Launch, accelerator, find_launcher, free_port, read_json
+from deepspeed_zero3.bench.__main__ import Launch, accelerator, find_launcher, read_json
 from deepspeed_zero3.bench.soak import options
 from deepspeed_zero3.bench.worker import write_json
+from deepspeed_zero3.testing.ports import LaunchPort
 
 LAUNCH_TIMEOUT_S = 1800
 
@@ -32,12 +33,12 @@ def parse_args(argv=None):
     return options.check_args(parser, args)
 
 
-def worker_command(args, launcher: str) -> list:
+def worker_command(args, launcher: str, port: int) -> list:
     flags = ["--steps", args.steps, "--world", args.world, "--eval-every", args.eval_every,
              "--generate-every", args.generate_every, "--generate-tokens", args.generate_tokens,
              "--engine-every", args.engine_every, "--bucket", args.bucket, "--max-rss-slope", args.max_rss_slope,
              "--out", args.out]
-    return ([launcher, "--num_gpus", str(args.world), "--master_port", str(free_port()),
+    return ([launcher, "--num_gpus", str(args.world), "--master_port", str(port),
              "--module", "deepspeed_zero3.bench.soak.worker"] + [str(f) for f in flags]
             + (["--relaxed"] if args.relaxed else []))
 
@@ -47,20 +48,21 @@ def main(argv=None):
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "soak.json").unlink(missing_ok=True)  # a failed launch must not leave the last run's verdict behind
-    cmd = worker_command(args, find_launcher())
     env = dict(os.environ, DEEPSPEED_ZERO3="1", DS_ACCELERATOR=accelerator(), LOCAL_SIZE=str(args.world),
                PYTHONUNBUFFERED="1")
     load_before, start = os.getloadavg()[0], time.time()
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True)  # its own session: stopped as a group
-    try:
-        returncode = proc.wait(timeout=args.timeout)
-    except subprocess.TimeoutExpired:
-        Launch._stop(proc)
-        print(f"soak: the launch ran past --timeout {args.timeout}s and was stopped", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        Launch._stop(proc)
-        raise
+    with LaunchPort() as port:
+        proc = subprocess.Popen(worker_command(args, find_launcher(), port.port), env=env,
+                                start_new_session=True)  # its own session: stopped as a group
+        try:
+            returncode = proc.wait(timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            Launch._stop(proc)
+            print(f"soak: the launch ran past --timeout {args.timeout}s and was stopped", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt:
+            Launch._stop(proc)
+            raise
     wall = time.time() - start
     result = read_json(out / "soak.json")
     if result is None:
