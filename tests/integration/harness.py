@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from deepspeed_zero3.testing.ports import LaunchPort
+from deepspeed_zero3.testing.ports import LaunchPort, memory_hint
 
 HERE = Path(__file__).resolve().parent
 # ZERO3_INTEGRATION_AGAINST_UPSTREAM=1 runs the flows meant for our runtime with the kill switch
@@ -40,7 +40,8 @@ class Launch:
         return torch.load(self.out / f"{flow}.params.pt")
 
     def log_tail(self, chars: int = 6000) -> str:
-        return self.log.read_text(errors="replace")[-chars:] if self.log.exists() else "(no log)"
+        tail = self.log.read_text(errors="replace")[-chars:] if self.log.exists() else "(no log)"
+        return tail + (f"\n{memory_hint()}" if self.returncode != 0 else "")
 
 
 def launch(script: str, flows, out: Path, upstream: bool) -> Launch:

@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from deepspeed_zero3.testing.ports import LaunchPort
+from deepspeed_zero3.testing.ports import LaunchPort, memory_hint
 
 REPO = Path(__file__).resolve().parent.parent.parent
 
@@ -33,9 +33,9 @@ def launch(script: Path, runtime: str, world: int, args, log: Path, timeout_s: i
             proc.wait()
             rc = "timeout"
     return {"rc": rc, "seconds": round(time.time() - start, 1), "log": log, "port": port.port,
-            "shm_freed": port.shm_freed}
+            "shm_freed": port.shm_freed, "memory": memory_hint() if rc != 0 else None}
 
 
 def log_tail(run, lines=40) -> str:
     text = Path(run["log"]).read_text(errors="replace").splitlines()
-    return "\n".join(text[-lines:])
+    return "\n".join(text[-lines:] + ([run["memory"]] if run.get("memory") else []))

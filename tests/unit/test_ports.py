@@ -15,7 +15,8 @@ def shm_dir(tmp_path, monkeypatch):
 
 def fake_buffer(shm_dir, port, rank, size=1000, addr="127.0.0.1"):
     path = shm_dir / f"{ports.SHM_PREFIX}_{os.getuid()}_{addr}_{port}_{rank}"
-    path.write_bytes(b"\0" * size)
+    path.touch()
+    os.truncate(path, size)  # sparse: the size is what is counted
     return path
 
 
@@ -37,3 +38,12 @@ def test_launch_port_releases_even_when_the_launch_raises(shm_dir):
             raise RuntimeError("launch failed")
     assert launch.shm_freed == 10
     assert ports.shm_buffers(launch.port) == []
+
+
+def test_memory_hint_counts_leftovers_and_says_how_to_remove_them(shm_dir):
+    assert ports.memory_hint().startswith("memory: 0 DeepSpeed shm buffers")
+    fake_buffer(shm_dir, 29513, 0, size=2**29)
+    fake_buffer(shm_dir, 29513, 1, size=2**29)
+    hint = ports.memory_hint()
+    assert hint.startswith(f"memory: 2 DeepSpeed shm buffers in {shm_dir} hold 1.0 GiB; ")
+    assert hint.endswith(f"(with no DeepSpeed job running: rm {shm_dir}/{ports.SHM_PREFIX}_*)")

@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from deepspeed_zero3.testing.ports import free_port, release_shm_buffers
+from deepspeed_zero3.testing.ports import free_port, memory_hint, release_shm_buffers
 from deepspeed_zero3.bench import DEFAULT_BUCKET, DEFAULT_STEPS, DEFAULT_WARMUP, RUNTIMES, SCENARIOS
 
 LAUNCH_TIMEOUT_S = 1800
@@ -196,7 +196,7 @@ def run_launches(args, out: Path):
                 why = "timed out" if launch.timed_out else f"exit status {launch.returncode}"
                 failures.append(f"{launch.runtime} launch: {why}")
                 tqdm.write(f"{launch.runtime} launch failed ({why}); last lines of {launch.log_path}:\n"
-                           f"{launch.log_tail()}", file=sys.stderr)
+                           f"{launch.log_tail()}\n{memory_hint()}", file=sys.stderr)
     return raw, failures, launches, accel
 
 

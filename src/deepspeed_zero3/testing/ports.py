@@ -55,3 +55,25 @@ class LaunchPort:
     def __exit__(self, *exc_info):
         self.shm_freed = release_shm_buffers(self.port)
         return False
+
+
+def memory_hint() -> str:
+    """One line for a failed launch's message: a rank killed with SIGKILL (launcher exit 247) is usually the
+    OOM killer, and leftover shm buffers from other launches are the first thing to rule out."""
+    leftovers = shm_buffers()
+    held = 0
+    for path in leftovers:
+        with contextlib.suppress(FileNotFoundError):
+            held += os.path.getsize(path)
+    available = None
+    with contextlib.suppress(OSError, ValueError):
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    available = int(line.split()[1]) * 1024
+    line = f"memory: {len(leftovers)} DeepSpeed shm buffers in {SHM_DIR} hold {held / 2**30:.1f} GiB"
+    if available is not None:
+        line += f"; {available / 2**30:.1f} GiB available"
+    if leftovers:
+        line += f" (with no DeepSpeed job running: rm {os.path.join(SHM_DIR, SHM_PREFIX)}_*)"
+    return line
