@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import deepspeed_zero3
-from deepspeed_zero3.testing.engines import batch, mse_loss, training_engine, zero3_config
+from deepspeed_zero3.testing.engines import (batch, gathered_copies, inference_engine, mse_loss, training_engine,
+                                             zero3_config)
 from deepspeed_zero3.testing.models import model_b, TinyGPT
 
 MODEL_B = 199_876
@@ -119,4 +120,56 @@ def test_generation_loop_then_train_stops_recording():
     later = passes(engine)
     assert len(later) == 2 * 18
     assert_quiet(later, "generation")
+    engine.destroy()
+
+
+class Router(torch.nn.Module):
+    """Five 16x16 layers run in the order the forward's ``route`` names: data-dependent control flow."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleDict({name: torch.nn.Linear(16, 16) for name in "ABCDX"})
+
+    def forward(self, x, route):
+        for name in route:
+            x = self.layers[name](x)
+        return x
+
+
+LAYER = 16 * 16 + 16
+
+
+def test_switch_then_divergence_regathers_a_sibling_released_as_stale():
+    """Cached traces A-B-X-D and A-B-C-D (most recent); the third pass runs A-B-X-C.
+
+    C is prefetched (weight and bias in one call). At X the pass switches to A-B-X-D and releases C as stale:
+    waiting for C's weight completes its bias too. The pass then leaves that trace as well and runs C, which
+    must be gathered again. Before the fix the bias stayed registered as in flight and the gather raised
+    `RuntimeError: parameter ds_id=5 shape=(16,) is already in flight`.
+    """
+    torch.manual_seed(0)
+    model = Router()
+    engine = inference_engine(model, zero3_config(bucket=2 * LAYER, reuse=0))
+    x = batch(0, torch.distributed.get_rank())
+    with torch.no_grad():
+        engine(x, "ABXD")
+        engine(x, "ABCD")
+        deepspeed_zero3.reset_zero3_stats(engine)
+        out = engine(x, "ABXC")
+    (third,) = passes(engine)
+    assert third["trace_switches"] == 1 and third["trace_mismatches"] == 1 and third["trace_records"] == 1
+    # The root (no parameters of its own) is step 0: A+B prefetched in one call, then C, then D; X on
+    # demand; C on demand again after the divergence.
+    assert third["allgather_calls"] == 5, third
+    assert third["allgather_numel"] == 6 * LAYER, third
+    assert third["prefetch_numel"] == 4 * LAYER and third["demand_numel"] == 2 * LAYER, third
+    assert third["peak_live_numel"] == 3 * LAYER, third
+    assert deepspeed_zero3.get_zero3_stats(engine)["live_numel"] == 0
+
+    layers = {name: gathered_copies(model.layers[name].parameters()) for name in "ABXC"}
+    expected = x
+    for name in "ABXC":
+        weight, bias = layers[name]
+        expected = torch.nn.functional.linear(expected, weight, bias)
+    assert torch.equal(out, expected)
     engine.destroy()

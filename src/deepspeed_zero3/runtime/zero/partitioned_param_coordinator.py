@@ -402,6 +402,9 @@ class PartitionedParameterCoordinator:
     def _release(self, param: Parameter) -> None:
         if param.ds_status == ZeroParamStatus.INFLIGHT:
             self.gatherer.wait([param])
+        # One coalesced handle covers several modules' parameters; a sibling's wait completed this one but
+        # left it registered. Released unregistered, it would be refused as "in flight" at its next gather.
+        self.inflight.pop(param, None)
         if param.ds_status == ZeroParamStatus.AVAILABLE and not param.ds_active_sub_modules:
             param.partition()
         self._forget(param)
