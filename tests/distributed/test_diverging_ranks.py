@@ -115,3 +115,51 @@ def test_default_check_costs_one_small_collective_per_backward_and_eval_forward(
         dist.all_gather = original
     assert calls == [3, 3]
     engine.destroy()
+
+
+def test_no_grad_forward_on_one_rank_under_gathered_parameters():
+    """Rank 0 alone runs a no-grad forward inside GatheredParameters over the whole model (a sample or a log on
+    one rank). It gathers nothing, so it must leave no trace, no pending order check and no collective behind.
+
+    Upstream 0.19.8 hangs here until the process-group timeout (measured with the same loop under the kill
+    switch): its reset_step compares trace lengths across ranks (assert_ints_same_as_other_ranks, a
+    broadcast) at the end of the solo forward, which only rank 0 reaches. Ours did too, in its order check.
+    """
+    import deepspeed
+    import deepspeed.comm as dist
+    import deepspeed_zero3
+
+    rank = torch.distributed.get_rank()
+    checks = []
+    original = dist.all_gather
+
+    def counting(tensor_list, tensor, *args, **kwargs):
+        checks.append(tensor.numel())
+        return original(tensor_list, tensor, *args, **kwargs)
+
+    torch.manual_seed(0)
+    model = model_b()
+    engine = training_engine(model, zero3_config(bucket=20_000, reuse=0))
+    dist.all_gather = counting
+    try:
+        for step in range(3):
+            with deepspeed.zero.GatheredParameters(list(model.parameters())):
+                if rank == 0:
+                    with torch.no_grad():
+                        model(batch(200 + step, 0))
+            train_step(engine, batch(step, rank))
+            with torch.no_grad():
+                engine(batch(100 + step, rank))
+    finally:
+        dist.all_gather = original
+    records = deepspeed_zero3.get_zero3_stats(engine)["passes"]
+    solo = [p for p in records if p["allgather_calls"] == 0]
+    shared = [p for p in records if p["allgather_calls"] > 0]
+    assert len(solo) == (3 if rank == 0 else 0)
+    assert all(p["kind"] == "eval_forward" and p["trace_records"] == 0 for p in solo), solo
+    assert [p["kind"] for p in shared] == ["forward", "backward", "eval_forward"] * 3
+    assert [p["trace_records"] for p in shared] == [1, 1, 1] + [0] * 6
+    assert all(p["demand_numel"] == 0 for p in shared[3:]), shared
+    assert checks == [3, 3] * 3  # the order check after each backward and each shared eval forward only
+    assert deepspeed_zero3.get_zero3_stats(engine)["live_numel"] == 0
+    engine.destroy()

@@ -198,6 +198,9 @@ class PartitionedParameterCoordinator:
         with self.lock:
             if self.phase is not PassPhase.FORWARD:
                 return
+            if not aborted and self.stats.current.allgather_calls == 0:
+                self._end_silent_forward()
+                return
             kind = self.progress.kind
             trace = self._finish_trace(aborted)
             self.forward_prefetcher = None
@@ -210,6 +213,22 @@ class PartitionedParameterCoordinator:
             self.release_all_ours(keep=keep)
             if not aborted and self.order_check.due(kind):
                 self.order_check.check()  # [Note: diverging ranks]
+
+    def _end_silent_forward(self) -> None:
+        """[Note: silent passes] A forward that issued no all-gather leaves the runtime as it found it.
+
+        Such a forward found every parameter already gathered: inside ``GatheredParameters`` over the model,
+        or with every parameter persistent. That is how a forward can legitimately run on one rank only
+        (a sample or a log on rank 0). Recording its trace, or moving a cached one to the front, would make
+        that rank's next prefetches differ from the other ranks', and an order check would be a collective
+        only that rank reaches. So it records nothing, adds nothing to the order check, keeps what the last
+        forward kept for its backward, and has nothing of its own to release. Passes where every rank
+        gathers are unaffected; a rank that runs alone *and* gathers still cannot be helped.
+        """
+        self.forward_prefetcher = None
+        self.stats.end_pass(aborted=False)
+        self.phase = PassPhase.IDLE
+        self.progress = None
 
     def begin_backward_pass(self) -> None:
         with self.lock:
