@@ -69,7 +69,8 @@ def exchange(values: Sequence[int], group=None) -> List[List[int]]:
     mine = torch.tensor(list(values), dtype=torch.long, device=get_accelerator().current_device_name())
     everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group=group))]
     dist.all_gather(everyone, mine, group=group)
-    return [t.tolist() for t in everyone]
+    # One device-to-host copy (one sync on GPUs), not one per rank.
+    return torch.stack(everyone).cpu().tolist()
 
 
 def exchange_ragged(values: Sequence[int], group=None) -> List[List[int]]:
