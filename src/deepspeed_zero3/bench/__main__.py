@@ -60,7 +60,20 @@ def parse_args(argv=None):
     if args.steps < 1 or args.warmup < 0 or args.world < 1:
         parser.error("--steps must be >= 1, --warmup >= 0, --world >= 1")
     args.scenarios = [s for s in SCENARIOS if s in wanted]  # canonical order: validate_fit last
+    if not args.no_run:
+        check_world_fits(parser, args.world, accelerator())
     return args
+
+
+def check_world_fits(parser, world: int, accel: str) -> None:
+    """On GPUs the launcher starts one rank per GPU: refuse a --world this machine cannot launch, up front."""
+    if accel != "cuda":
+        return
+    import torch
+    count = torch.cuda.device_count()
+    if world > count:
+        parser.error(f"--world {world} needs {world} GPUs and this machine has {count}: use --world {max(count, 1)}"
+                     f"{'' if count else ' with a GPU'}, or DS_ACCELERATOR=cpu for CPU ranks")
 
 
 def find_launcher() -> str:

@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from deepspeed_zero3.bench.__main__ import Launch, accelerator, find_launcher, read_json
+from deepspeed_zero3.bench.__main__ import Launch, accelerator, check_world_fits, find_launcher, read_json
 from deepspeed_zero3.bench.soak import options
 from deepspeed_zero3.bench.worker import write_json
 from deepspeed_zero3.testing.ports import LaunchPort
@@ -30,7 +30,9 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     if args.timeout < 1:
         parser.error(f"--timeout must be >= 1 second, got {args.timeout}")
-    return options.check_args(parser, args)
+    args = options.check_args(parser, args)
+    check_world_fits(parser, args.world, accelerator())
+    return args
 
 
 def worker_command(args, launcher: str, port: int) -> list:
