@@ -1,10 +1,14 @@
 """Ranks that run different modules stop with an error on every rank, naming rank, step and module."""
 
+import contextlib
 import os
 
 import pytest
 import torch
 
+import deepspeed
+import deepspeed.comm as dist
+import deepspeed_zero3
 from deepspeed_zero3.runtime.zero.rank_agreement import CHECK_RANKS_ENV
 from deepspeed_zero3.testing.engines import batch, train_step, training_engine, zero3_config
 from deepspeed_zero3.testing.models import model_b
@@ -29,6 +33,23 @@ class RankDependent(torch.nn.Module):
         for index in order:
             h = self.inner.blocks[index](h)
         return self.inner.head(h)
+
+
+@contextlib.contextmanager
+def counted_all_gathers():
+    """The numel of every rank-agreement all_gather in the block (the runtime's gathers use other calls)."""
+    calls = []
+    original = dist.all_gather
+
+    def counting(tensor_list, tensor, *args, **kwargs):
+        calls.append(tensor.numel())
+        return original(tensor_list, tensor, *args, **kwargs)
+
+    dist.all_gather = counting
+    try:
+        yield calls
+    finally:
+        dist.all_gather = original
 
 
 @pytest.fixture
@@ -95,24 +116,13 @@ def test_default_check_after_an_eval_forward_names_rank_pass_step_and_module():
 
 def test_default_check_costs_one_small_collective_per_backward_and_eval_forward():
     """The always-on check adds exactly one all_gather per backward pass and per no-grad forward pass."""
-    import deepspeed.comm as dist
-    calls = []
-    original = dist.all_gather
-
-    def counting(tensor_list, tensor, *args, **kwargs):
-        calls.append(tensor.numel())
-        return original(tensor_list, tensor, *args, **kwargs)
-
     torch.manual_seed(0)
     engine = training_engine(RankDependent(), zero3_config(bucket=0, reuse=0))
     train_step(engine, batch(0, torch.distributed.get_rank()))
-    dist.all_gather = counting
-    try:
+    with counted_all_gathers() as calls:
         train_step(engine, batch(1, torch.distributed.get_rank()))
         with torch.no_grad():
             engine(batch(2, torch.distributed.get_rank()))
-    finally:
-        dist.all_gather = original
     assert calls == [3, 3]
     engine.destroy()
 
@@ -125,23 +135,11 @@ def test_no_grad_forward_on_one_rank_under_gathered_parameters():
     switch): its reset_step compares trace lengths across ranks (assert_ints_same_as_other_ranks, a
     broadcast) at the end of the solo forward, which only rank 0 reaches. Ours did too, in its order check.
     """
-    import deepspeed
-    import deepspeed.comm as dist
-    import deepspeed_zero3
-
     rank = torch.distributed.get_rank()
-    checks = []
-    original = dist.all_gather
-
-    def counting(tensor_list, tensor, *args, **kwargs):
-        checks.append(tensor.numel())
-        return original(tensor_list, tensor, *args, **kwargs)
-
     torch.manual_seed(0)
     model = model_b()
     engine = training_engine(model, zero3_config(bucket=20_000, reuse=0))
-    dist.all_gather = counting
-    try:
+    with counted_all_gathers() as checks:
         for step in range(3):
             with deepspeed.zero.GatheredParameters(list(model.parameters())):
                 if rank == 0:
@@ -150,8 +148,6 @@ def test_no_grad_forward_on_one_rank_under_gathered_parameters():
             train_step(engine, batch(step, rank))
             with torch.no_grad():
                 engine(batch(100 + step, rank))
-    finally:
-        dist.all_gather = original
     records = deepspeed_zero3.get_zero3_stats(engine)["passes"]
     solo = [p for p in records if p["allgather_calls"] == 0]
     shared = [p for p in records if p["allgather_calls"] > 0]
