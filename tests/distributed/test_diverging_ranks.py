@@ -10,7 +10,8 @@ import deepspeed
 import deepspeed.comm as dist
 import deepspeed_zero3
 from deepspeed_zero3.runtime.zero.rank_agreement import CHECK_RANKS_ENV
-from deepspeed_zero3.testing.engines import batch, train_step, training_engine, zero3_config
+from deepspeed_zero3.testing.engines import (batch, gathered_copies, mse_loss, train_step, training_engine,
+                                             zero3_config)
 from deepspeed_zero3.testing.models import model_b
 
 
@@ -159,3 +160,53 @@ def test_no_grad_forward_on_one_rank_under_gathered_parameters():
     assert checks == [3, 3] * 3  # the order check after each backward and each shared eval forward only
     assert deepspeed_zero3.get_zero3_stats(engine)["live_numel"] == 0
     engine.destroy()
+
+
+class Twice(torch.nn.Module):
+    """``a`` runs twice in one forward: its parameters are used again after their first release."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(16, 16)
+        self.b = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.a(self.b(self.a(x)))
+
+
+@pytest.mark.parametrize("make_model", [model_b, Twice], ids=["model_b", "module_run_twice"])
+def test_one_rank_forward_between_a_forward_and_its_backward(make_model):
+    """The same one-rank forward, now between a training forward and its backward, with upstream's default
+    reuse distance (the forward keeps parameters for its backward), and with a module that runs twice.
+    Parameters held by a GatheredParameters context are that context's until it exits: the runtime neither
+    releases them after a module's use nor drops what it kept for the backward. Before that, rank 0 alone
+    re-gathered them (measured with model_b at world size 1: 14 all-gathers, 199,876 numel, from the second
+    step on) and the ranks hung."""
+    rank = torch.distributed.get_rank()
+
+    def run(solo: bool):
+        torch.manual_seed(0)
+        model = make_model()
+        engine = training_engine(model, zero3_config(bucket=20_000, reuse=10**9))
+        losses, solo_gathers = [], 0
+        for step in range(3):
+            loss = mse_loss(engine(batch(step, rank)))
+            if solo:
+                with deepspeed.zero.GatheredParameters(list(model.parameters())):
+                    if rank == 0:
+                        with torch.no_grad():
+                            model(batch(200 + step, 0))
+                        solo_gathers += deepspeed_zero3.get_zero3_stats(engine)["passes"][-1]["allgather_calls"]
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        assert deepspeed_zero3.get_zero3_stats(engine)["live_numel"] == 0
+        params = gathered_copies(model.parameters())
+        engine.destroy()
+        return losses, params, solo_gathers
+
+    losses, params, solo_gathers = run(solo=True)
+    expected_losses, expected_params, _ = run(solo=False)
+    assert solo_gathers == 0
+    assert losses == expected_losses
+    assert all(torch.equal(a, b) for a, b in zip(params, expected_params))

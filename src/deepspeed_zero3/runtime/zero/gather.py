@@ -17,7 +17,7 @@ from typing import Deque, Iterable, List
 from torch.nn import Parameter
 
 from deepspeed.accelerator import get_accelerator
-from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+from deepspeed.runtime.zero.partition_parameters import DS_Z3_GATHERED_PARAM_CONTEXT_DEPTH_ATTR, ZeroParamStatus
 
 MAX_QUEUED_FETCH_EVENTS = 2
 
@@ -93,6 +93,16 @@ class Gatherer:
 
 def is_available(param: Parameter) -> bool:
     return param.ds_status == ZeroParamStatus.AVAILABLE
+
+
+def held_by_gathered_parameters(param: Parameter) -> bool:
+    """Gathered by an open ``deepspeed.zero.GatheredParameters`` context, which partitions it when it exits.
+
+    Such a parameter is the context's, not ours: released under it, a module that uses it again (or the
+    backward that it was kept for) would gather it again, and inside the context a forward may run on one
+    rank only. Upstream 0.19.8 marks these parameters with a context depth; its own coordinator ignores it.
+    """
+    return getattr(param, DS_Z3_GATHERED_PARAM_CONTEXT_DEPTH_ATTR, 0) > 0
 
 
 def holds_full_buffer(param: Parameter) -> bool:

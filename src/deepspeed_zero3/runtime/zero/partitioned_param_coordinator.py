@@ -33,7 +33,7 @@ from deepspeed import comm as dist
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 from deepspeed.utils.logging import logger
 
-from deepspeed_zero3.runtime.zero.gather import Gatherer, InflightParamRegistry
+from deepspeed_zero3.runtime.zero.gather import Gatherer, InflightParamRegistry, held_by_gathered_parameters
 from deepspeed_zero3.runtime.zero.module_params import fetch_params, iter_params
 from deepspeed_zero3.runtime.zero.prefetch import PassPrefetcher
 from deepspeed_zero3.runtime.zero.rank_agreement import (CHECK_RANKS_ENV, PassOrderCheck, check_ranks_from_env,
@@ -221,9 +221,11 @@ class PartitionedParameterCoordinator:
         or with every parameter persistent. That is how a forward can legitimately run on one rank only
         (a sample or a log on rank 0). Recording its trace, or moving a cached one to the front, would make
         that rank's next prefetches differ from the other ranks', and an order check would be a collective
-        only that rank reaches. So it records nothing, adds nothing to the order check, keeps what the last
-        forward kept for its backward, and has nothing of its own to release. Passes where every rank
-        gathers are unaffected; a rank that runs alone *and* gathers still cannot be helped.
+        only that rank reaches. So it records nothing, adds nothing to the order check and, having gathered
+        nothing, releases nothing at its end. What the context holds is not released at module ends either
+        (``held_by_gathered_parameters``), so a module that runs twice is not gathered again, and what the
+        last forward kept for its backward stays kept. Passes where every rank gathers are unaffected; a
+        rank that runs alone *and* gathers still cannot be helped.
         """
         self.forward_prefetcher = None
         self.stats.end_pass(aborted=False)
@@ -386,7 +388,8 @@ class PartitionedParameterCoordinator:
             prefetcher = self.current_prefetcher()
             for param in fetch_params(submodule, strict=False):
                 param.ds_active_sub_modules.discard(submodule.ds_id)
-                if param.ds_persist or param.is_external_param or param.ds_active_sub_modules:
+                if (param.ds_persist or param.is_external_param or param.ds_active_sub_modules
+                        or held_by_gathered_parameters(param)):
                     continue
                 if param.ds_status != ZeroParamStatus.AVAILABLE:
                     continue
@@ -419,6 +422,10 @@ class PartitionedParameterCoordinator:
         return False
 
     def _release(self, param: Parameter) -> None:
+        if held_by_gathered_parameters(param):
+            # Left exactly as it is, bookkeeping included: the context partitions it at its exit on every
+            # rank, and whatever we kept it for stays counted the same way on every rank.
+            return
         if param.ds_status == ZeroParamStatus.INFLIGHT:
             self.gatherer.wait([param])
         # One coalesced handle covers several modules' parameters; a sibling's wait completed this one but
