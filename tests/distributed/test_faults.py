@@ -26,6 +26,17 @@ def final_params(engine):
     return gathered_copies(engine.module.parameters())
 
 
+def assert_matches(engine, losses, expected_losses, expected_params) -> None:
+    """Bitwise the run that skipped the faulted step: every loss, then every final parameter."""
+    assert losses == expected_losses
+    assert all(torch.equal(a, b) for a, b in zip(final_params(engine), expected_params))
+
+
+def assert_last_pass_aborted(engine, kind: str) -> None:
+    last = deepspeed_zero3.get_zero3_stats(engine)["passes"][-1]
+    assert last["kind"] == kind and last["aborted"] is True, last
+
+
 def assert_replayed(engine, last: int) -> None:
     """The last ``last`` passes replayed recorded traces: no re-record, nothing fetched on demand."""
     for p in deepspeed_zero3.get_zero3_stats(engine)["passes"][-last:]:
@@ -61,11 +72,9 @@ def test_exception_in_submodule_forward():
         engine(batch(2, rank()))
     model.blocks[3].down.forward = original
     assert live(engine) == 0  # the aborted forward released everything it had gathered
-    last = deepspeed_zero3.get_zero3_stats(engine)["passes"][-1]
-    assert last["kind"] == "forward" and last["aborted"] is True
+    assert_last_pass_aborted(engine, "forward")
     losses += [train_step(engine, batch(s, rank())) for s in (3, 4)]
-    assert losses == expected_losses
-    assert all(torch.equal(a, b) for a, b in zip(final_params(engine), expected_params))
+    assert_matches(engine, losses, expected_losses, expected_params)
     # The trace recorded before the fault is still used: no re-record, no demand fetch.
     assert_replayed(engine, 2)
     engine.destroy()
@@ -108,11 +117,9 @@ def test_exception_in_custom_autograd_backward():
     assert live(engine) == BACKWARD_PREFETCH_AT_FAULT
     deepspeed_zero3.abandon_step(engine)
     assert live(engine) == 0
-    last = deepspeed_zero3.get_zero3_stats(engine)["passes"][-1]
-    assert last["kind"] == "backward" and last["aborted"] is True
+    assert_last_pass_aborted(engine, "backward")
     losses += [train_step(engine, batch(s, rank())) for s in (3, 4)]
-    assert losses == expected_losses
-    assert all(torch.equal(a, b) for a, b in zip(final_params(engine), expected_params))
+    assert_matches(engine, losses, expected_losses, expected_params)
     # The half-run backward recorded no trace: the next steps replay the full ones, nothing on demand.
     assert_replayed(engine, 4)
     engine.destroy()
@@ -148,8 +155,7 @@ def test_abandon_step_with_gradient_accumulation_drops_the_window_so_far():
         ExplodingBackward.armed = False
     deepspeed_zero3.abandon_step(engine)
     losses += [micro(engine, 4), micro(engine, 5), micro(engine, 6)]
-    assert losses == expected
-    assert all(torch.equal(a, b) for a, b in zip(final_params(engine), expected_params))
+    assert_matches(engine, losses, expected, expected_params)
     engine.destroy()
 
 
@@ -201,8 +207,7 @@ def test_abandon_step_after_a_failed_forward():
     deepspeed_zero3.abandon_step(engine)  # idempotent
     assert live(engine) == 0
     losses.append(train_step(engine, batch(2, rank())))
-    assert losses == expected_losses
-    assert all(torch.equal(a, b) for a, b in zip(final_params(engine), expected_params))
+    assert_matches(engine, losses, expected_losses, expected_params)
     engine.destroy()
 
 
@@ -215,8 +220,7 @@ def test_abandoned_step_between_forward_and_backward():
     del loss
     assert live(engine) == 0
     losses += [train_step(engine, batch(s, rank())) for s in (3, 4)]
-    assert losses == expected_losses
-    assert all(torch.equal(a, b) for a, b in zip(final_params(engine), expected_params))
+    assert_matches(engine, losses, expected_losses, expected_params)
     engine.destroy()
 
 
