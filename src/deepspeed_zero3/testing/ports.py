@@ -34,11 +34,19 @@ def release_shm_buffers(port, addr: str = "*") -> int:
     """
     freed = 0
     for path in shm_buffers(port, addr):
+        size = _size(path)
         with contextlib.suppress(FileNotFoundError):
-            size = os.path.getsize(path)
             os.unlink(path)
-            freed += size
+        freed += size
     return freed
+
+
+def _size(path: str) -> int:
+    """Bytes of ``path``; 0 if it went away meanwhile (another launch's cleanup)."""
+    try:
+        return os.path.getsize(path)
+    except FileNotFoundError:
+        return 0
 
 
 class LaunchPort:
@@ -61,10 +69,7 @@ def memory_hint() -> str:
     """One line for a failed launch's message: a rank killed with SIGKILL (launcher exit 247) is usually the
     OOM killer, and leftover shm buffers from other launches are the first thing to rule out."""
     leftovers = shm_buffers()
-    held = 0
-    for path in leftovers:
-        with contextlib.suppress(FileNotFoundError):
-            held += os.path.getsize(path)
+    held = sum(_size(path) for path in leftovers)
     available = None
     with contextlib.suppress(OSError, ValueError):
         with open("/proc/meminfo") as meminfo:

@@ -228,9 +228,7 @@ class PartitionedParameterCoordinator:
         rank that runs alone *and* gathers still cannot be helped.
         """
         self.forward_prefetcher = None
-        self.stats.end_pass(aborted=False)
-        self.phase = PassPhase.IDLE
-        self.progress = None
+        self._end_pass(aborted=False, compare=False)
 
     def begin_backward_pass(self) -> None:
         with self.lock:
@@ -272,10 +270,10 @@ class PartitionedParameterCoordinator:
         self.progress = PassProgress(kind, self.traces, guess)
         self.stats.begin_pass(kind)
 
-    def _end_pass(self, aborted: bool) -> None:
+    def _end_pass(self, aborted: bool, compare: bool = True) -> None:
         # An aborted pass is not compared: its exception may have hit one rank only, and a collective now
-        # would pair with whatever the other ranks are running.
-        if not aborted and self.progress.observed:
+        # would pair with whatever the other ranks are running. Nor is a silent one ([Note: silent passes]).
+        if compare and not aborted and self.progress.observed:
             self.order_check.add(self.stats.current.index, self.progress.kind, self.progress.observed_ids,
                                  self.progress.observed)
         self.stats.end_pass(aborted=aborted)
