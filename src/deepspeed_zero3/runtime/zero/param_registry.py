@@ -60,6 +60,7 @@ class ParamStateRegistry:
         self.root_hooks: Dict[Module, List[RemovableHandle]] = weakref.WeakKeyDictionary()
         # (weak owner, its prefetch settings), in joining order.
         self.owners: List = []
+        coordinator.prediction.managed_modules = self.managed_modules  # [Note: first-pass prediction]
 
     # ---------------------------------------------------------------- the module tree
 
@@ -92,6 +93,9 @@ class ParamStateRegistry:
             for handle in handles:
                 handle.remove()
             self.root_hooks[root] = self.router.install_root_hooks(root)
+
+    def managed_modules(self) -> List[Module]:
+        return list(self.module_hooks)
 
     def hook_count(self) -> int:
         """Live hooks installed by this registry (tests count them)."""

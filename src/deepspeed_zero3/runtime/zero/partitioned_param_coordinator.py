@@ -13,9 +13,12 @@ What differs from upstream, in one place:
   running, never from ``nn.Module.training``; nothing here asserts on it.
 * Traces are cached per pass kind and selected by what runs
   ([Note: trace selection]), so train/eval alternation, training-only branches
-  and generation loops stop re-recording once seen.
+  and generation loops stop re-recording once seen. A kind with no trace yet
+  replays a guess ([Note: first-pass prediction] in ``prediction.py``).
 * Gathered memory is bounded by the config ([Note: the prefetch window]):
-  module in use + prefetch window + what ``stage3_max_reuse_distance`` keeps.
+  module in use + prefetch window + what ``stage3_max_reuse_distance`` keeps;
+  a forward keeps the backward's first parameters, within the cap less one
+  bucket ([Note: budgeted keeping] in ``keeping.py``).
 * One coordinator per managed module tree, shared by every engine over it
   (``param_registry.py``).
 * Counters for tests and benchmarks (``stats.py``).
@@ -34,7 +37,9 @@ from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 from deepspeed.utils.logging import logger
 
 from deepspeed_zero3.runtime.zero.gather import Gatherer, InflightParamRegistry, held_by_gathered_parameters
+from deepspeed_zero3.runtime.zero.keeping import BackwardKeeping
 from deepspeed_zero3.runtime.zero.module_params import fetch_params, iter_params
+from deepspeed_zero3.runtime.zero.prediction import FirstPassPrediction
 from deepspeed_zero3.runtime.zero.prefetch import PassPrefetcher
 from deepspeed_zero3.runtime.zero.rank_agreement import (CHECK_RANKS_ENV, PassOrderCheck, check_ranks_from_env,
                                                          check_same_module_on_all_ranks)
@@ -95,6 +100,8 @@ class PartitionedParameterCoordinator:
         self.hierarchy = 0  # upstream's attribute; stage 3 sets it
 
         self.traces = TraceCache(trace_cache_size)
+        self.prediction = FirstPassPrediction()
+        self.keeping = BackwardKeeping()
         self.stats = ZeroStats()
         self.phase = PassPhase.IDLE
         self.progress: Optional[PassProgress] = None
@@ -147,6 +154,8 @@ class PartitionedParameterCoordinator:
         """Forget every recorded trace (module order or ds_ids changed)."""
         with self.lock:
             self.traces.clear()
+            self.prediction.clear()
+            self.keeping.clear()
             self.awaiting_backward_from = None
 
     _invalidate_trace = invalidate_traces
@@ -190,7 +199,7 @@ class PartitionedParameterCoordinator:
         with self.lock:
             self._end_open_pass()
             kind = PassKind.FORWARD if torch.is_grad_enabled() else PassKind.EVAL_FORWARD
-            guess = self.traces.most_recent(kind)
+            guess = self.prediction.forward_guess(kind, self.traces)
             self._begin_pass(PassPhase.FORWARD, kind, guess)
             self.forward_prefetcher = self._make_prefetcher("forward", guess)
 
@@ -207,8 +216,9 @@ class PartitionedParameterCoordinator:
             keep = ()
             if kind is PassKind.FORWARD:
                 self.awaiting_backward_from = trace
-                if trace is not None and trace.next_backward is not None:
-                    keep = tuple(p for p in self.reuse_kept if trace.next_backward.next_use(p, -1) is not None)
+                backward = self.prediction.expected_backward(trace) if trace is not None else None
+                if backward is not None:
+                    keep = tuple(p for p in self.reuse_kept if backward.next_use(p, -1) is not None)
             self._end_pass(aborted)
             self.release_all_ours(keep=keep)
             if not aborted and self.order_check.due(kind):
@@ -232,11 +242,7 @@ class PartitionedParameterCoordinator:
 
     def begin_backward_pass(self) -> None:
         with self.lock:
-            guess = None
-            if self.awaiting_backward_from is not None:
-                guess = self.awaiting_backward_from.next_backward
-            if guess is None:
-                guess = self.traces.most_recent(PassKind.BACKWARD)
+            guess = self.prediction.backward_guess(self.awaiting_backward_from, self.traces)
             self._begin_pass(PassPhase.BACKWARD, PassKind.BACKWARD, guess)
             if in_autograd_engine():
                 progress = self.progress
@@ -315,7 +321,8 @@ class PartitionedParameterCoordinator:
                 step = self._observe(current_submodule)
             if self.check_ranks:
                 kind = self.progress.kind if self.progress is not None else PassKind.FORWARD
-                check_same_module_on_all_ranks(kind, step, current_submodule, self.order_check.group)
+                observed_step = self.progress.step if self.progress is not None else -1
+                check_same_module_on_all_ranks(kind, observed_step, current_submodule, self.order_check.group)
             params = fetch_params(current_submodule)
             if self.phase is PassPhase.BACKWARD:
                 self.active_backward[current_submodule.ds_id] = current_submodule
@@ -332,7 +339,7 @@ class PartitionedParameterCoordinator:
 
     def _observe(self, module: Module) -> int:
         outcome = self.progress.observe(module)
-        step = self.progress.step
+        step = self.progress.trace_step
         prefetcher = self.current_prefetcher()
         if outcome is StepOutcome.SWITCHED:
             self.stats.current.trace_switches += 1
@@ -382,7 +389,7 @@ class PartitionedParameterCoordinator:
                 # torch's early stop raises out of it, which always_call forward hooks see): the backward has
                 # yet to use the parameters (its AccumulateGrad included); its post-backward releases them.
                 return
-            step = self.progress.step if self.progress is not None else -1
+            step = self.progress.trace_step if self.progress is not None else -1
             prefetcher = self.current_prefetcher()
             for param in fetch_params(submodule, strict=False):
                 param.ds_active_sub_modules.discard(submodule.ds_id)
@@ -402,22 +409,19 @@ class PartitionedParameterCoordinator:
                 self.active_backward.pop(submodule.ds_id, None)
 
     def _reuse_keeps(self, param: Parameter, step: int) -> bool:
-        """Whether ``param``'s next use in this pass (or, after a forward, in its backward) is within the reuse distance."""
+        """Whether ``param`` stays gathered: kept for the backward ([Note: budgeted keeping]), or its next use in
+        this pass is within the reuse distance."""
         limit = self.settings.max_reuse_numel
         if limit == 0 or self.progress is None or not self.progress.replaying():
             return False
+        trace = self.progress.trace
+        if self.progress.kind is PassKind.FORWARD and self.keeping.keeps(
+                param, step, trace, self.prediction.expected_backward(trace), self.settings):
+            return True
         if self.live_numel > self.settings.max_live_numel:
             return False
-        trace = self.progress.trace
         next_step = trace.next_use(param, step)
-        if next_step is not None:
-            return trace.numel_between(step + 1, next_step) < limit
-        backward = trace.next_backward if self.progress.kind is PassKind.FORWARD else None
-        if backward is not None:
-            first = backward.next_use(param, -1)
-            if first is not None:
-                return trace.numel_between(step + 1, len(trace)) + backward.numel_between(0, first) < limit
-        return False
+        return next_step is not None and trace.numel_between(step + 1, next_step) < limit
 
     def _release(self, param: Parameter) -> None:
         if held_by_gathered_parameters(param):

@@ -15,6 +15,19 @@ cache contents and their recency) is the same on every rank as long as the
 ranks run the same modules, so the ranks make the same choice and issue the
 same collectives. Ranks that run different modules are caught by the
 cross-rank order check ([Note: diverging ranks] in ``rank_agreement.py``).
+
+A pass kind with no trace of its own yet replays a guess ([Note: first-pass
+prediction] in ``prediction.py``): a forward borrows the most recent trace of the
+other forward kind, else takes the module registration order (``ds_id`` order);
+a backward takes the reverse of the forward it follows. A guess lists only the
+modules that fetch parameters and is followed loosely: a module without
+parameters of its own (the root, a container) may run anywhere without leaving
+it, since nothing is gathered or released for it. Any other difference is a
+miss, handled as above (a cached trace of the kind, else demand fetches). A guess
+is never recorded or moved to the front of the cache: the pass records what it
+observed, as a pass without a guess does. The guess is built from the module
+tree, its ``ds_id`` numbering (the same on every rank, [Note: sharing one module
+tree]) and the cache contents, so it too is the same on every rank.
 """
 
 import bisect
@@ -30,6 +43,9 @@ from deepspeed_zero3.runtime.zero.stats import PassKind
 
 class PassTrace:
     """The module order of one completed pass and the parameter uses derived from it (immutable)."""
+
+    # A guess made before the pass ran (prediction.py), not an observed order: never cached.
+    predicted = False
 
     def __init__(self, kind: PassKind, modules: Sequence[Module]):
         self.kind = kind
@@ -60,6 +76,10 @@ class PassTrace:
     def module_at(self, step: int) -> Optional[Module]:
         return self.module_refs[step]() if 0 <= step < len(self.module_refs) else None
 
+    def live_modules(self) -> List[Module]:
+        """The trace's modules that still exist, in order."""
+        return [m for m in (ref() for ref in self.module_refs) if m is not None]
+
     def runs(self, observed: Sequence[Module]) -> bool:
         """Whether this trace starts with exactly these module objects."""
         return len(observed) <= len(self) and all(self.module_refs[i]() is m for i, m in enumerate(observed))
@@ -79,6 +99,10 @@ class PassTrace:
             return None
         index = bisect.bisect_right(steps, after_step)
         return steps[index] if index < len(steps) else None
+
+    def last_use(self, param: Parameter) -> Optional[int]:
+        steps = self.use_steps.get(param)
+        return steps[-1] if steps else None
 
     def numel_between(self, start_step: int, stop_step: int) -> int:
         """Numel fetched by steps start_step .. stop_step-1 (the reuse distance between two uses)."""
@@ -151,6 +175,8 @@ class PassProgress:
         self.state = ReplayState.REPLAYING if first_guess is not None else ReplayState.RECORDING
         self.observed: List[Module] = []
         self.observed_ids: List[int] = []
+        # Step of ``trace`` the pass is at: the observed index, except on a guess ([Note: trace selection]).
+        self.trace_step = -1
         # Backward passes: set when the autograd graph task that began the pass completed. A graph task that
         # raised never sets it, which is how a backward cut short by an exception is told from a finished one.
         self.autograd_finished = False
@@ -164,9 +190,18 @@ class PassProgress:
         self.observed.append(module)
         self.observed_ids.append(module.ds_id)
         if self.state is ReplayState.RECORDING:
+            self.trace_step = self.step
             return StepOutcome.RECORDING
-        if self.trace.module_at(self.step) is module:
+        if self.trace.predicted:
+            if self.trace.module_at(self.trace_step + 1) is module:
+                self.trace_step += 1
+                return StepOutcome.MATCHED
+            if not fetch_params(module, strict=False):
+                return StepOutcome.MATCHED  # nothing to gather or release for it: the guess still holds
+        elif self.trace.module_at(self.step) is module:
+            self.trace_step = self.step
             return StepOutcome.MATCHED
+        self.trace_step = self.step
         replacement = self.cache.find(self.kind, self.observed_ids)
         if replacement is not None and replacement.runs(self.observed):
             self.trace = replacement
@@ -179,7 +214,8 @@ class PassProgress:
         return self.state is ReplayState.REPLAYING
 
     def completed_trace(self) -> Optional[PassTrace]:
-        """The trace this pass followed exactly, if it ran exactly a cached trace."""
-        if self.state is ReplayState.REPLAYING and len(self.observed) == len(self.trace):
+        """The trace this pass followed exactly, if it ran exactly a cached trace (never a guess)."""
+        if (self.state is ReplayState.REPLAYING and not self.trace.predicted and self.trace.kind is self.kind
+                and len(self.observed) == len(self.trace)):
             return self.trace
         return None
