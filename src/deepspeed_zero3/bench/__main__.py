@@ -48,18 +48,27 @@ def parse_args(argv=None):
                         help="comma-separated subset of: " + ", ".join(SCENARIOS) + " (default: all)")
     parser.add_argument("--timeout", type=int, default=LAUNCH_TIMEOUT_S,
                         help=f"seconds allowed per launch (default {LAUNCH_TIMEOUT_S})")
+    parser.add_argument("--frontier", action="store_true",
+                        help="instead of the scenarios: Model A training at caps {default, 50%%, 25%%, 10%%} x reuse "
+                        "{0, default}; writes frontier.md and frontier.png (bench/frontier.py)")
     parser.add_argument("--no-run", action="store_true",
                         help="launch nothing: redo the tables and plots from the raw JSON already in --out")
     args = parser.parse_args(argv)
+    if args.frontier:
+        from deepspeed_zero3.bench.frontier import FRONTIER_SCENARIOS
+        args.model, args.scenarios = "a", ",".join(FRONTIER_SCENARIOS)
+        known = FRONTIER_SCENARIOS
+    else:
+        known = SCENARIOS
     if args.bucket is None:
         args.bucket = DEFAULT_BUCKET[args.model]
     wanted = [s.strip() for s in args.scenarios.split(",") if s.strip()]
-    unknown = [s for s in wanted if s not in SCENARIOS]
+    unknown = [s for s in wanted if s not in known]
     if unknown or not wanted:
         parser.error(f"unknown scenario(s) {', '.join(unknown) or '(none given)'}; choose from {', '.join(SCENARIOS)}")
     if args.steps < 1 or args.warmup < 0 or args.world < 1:
         parser.error("--steps must be >= 1, --warmup >= 0, --world >= 1")
-    args.scenarios = [s for s in SCENARIOS if s in wanted]  # canonical order: validate_fit last
+    args.scenarios = [s for s in known if s in wanted]  # canonical order: validate_fit last
     if not args.no_run:
         check_world_fits(parser, args.world, accelerator())
     return args
@@ -213,6 +222,19 @@ def run_launches(args, out: Path):
     return raw, failures, launches, accel
 
 
+def write_frontier(summary, out: Path) -> dict:
+    """frontier.md (the table) and frontier.png (the two curves) next to the other results."""
+    from deepspeed_zero3.bench import frontier
+
+    (out / "frontier.md").write_text(frontier.markdown(summary))
+    print(frontier.markdown(summary))
+    try:
+        return {"frontier": frontier.plot(summary, out / "frontier.png")}
+    except ImportError as exc:
+        print(f"frontier plot skipped: {exc} (pip install matplotlib)", file=sys.stderr)
+        return {}
+
+
 def main(argv=None):
     args = parse_args(argv)
     out = Path(args.out)
@@ -245,6 +267,8 @@ def main(argv=None):
     except ImportError as exc:  # matplotlib comes with the [test] extra
         print(f"plots skipped: {exc} (pip install matplotlib)", file=sys.stderr)
 
+    if args.frontier:
+        plot_paths.update(write_frontier(summary, out))
     for name in args.scenarios:
         status = summary[name]["ours"].get("status")
         if status != "ok":

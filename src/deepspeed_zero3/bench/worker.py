@@ -43,6 +43,7 @@ import deepspeed.runtime.zero.parameter_offload as parameter_offload
 import deepspeed.runtime.zero.partitioned_param_coordinator as coordinator_module
 
 from deepspeed_zero3.bench import DEFAULT_BUCKET, DEFAULT_STEPS, DEFAULT_WARMUP, SCENARIOS
+from deepspeed_zero3.bench.frontier import FRONTIER_FUNCTIONS, FRONTIER_SCENARIOS
 from deepspeed_zero3.bench.scenarios import SCENARIO_FUNCTIONS
 from deepspeed_zero3.testing.engines import batch, inference_engine, mse_loss, training_engine, zero3_config
 from deepspeed_zero3.testing.instrument import GatherMeter
@@ -155,7 +156,7 @@ def run_scenario(name: str, bench: Bench, runtime: str) -> dict:
     record = {"status": "ok", "error": None, "cycles": [], "timeline": {}}
     plan = None
     try:
-        plan = SCENARIO_FUNCTIONS[name](bench)
+        plan = (FRONTIER_FUNCTIONS.get(name) or SCENARIO_FUNCTIONS[name])(bench)
         warmup = bench.args.warmup if plan.warmup is None else plan.warmup
         measured = bench.args.steps if plan.measured is None else plan.measured
         record.update(label=plan.label, numel=count_params(plan.model), warmup=warmup, measured=measured)
@@ -220,7 +221,7 @@ def parse_args(argv=None):
     args, _ = parser.parse_known_args(argv)
     if args.bucket is None:
         args.bucket = DEFAULT_BUCKET[args.model]
-    args.scenarios = [s for s in SCENARIOS if s in args.scenarios.split(",")]
+    args.scenarios = [s for s in SCENARIOS + FRONTIER_SCENARIOS if s in args.scenarios.split(",")]
     return args
 
 

@@ -1,0 +1,144 @@
+"""First passes replay a guess ([Note: first-pass prediction]): nothing is fetched on demand from the first step.
+
+Model A (6,312,196 parameters, bucket 100,000) and Model B (199,876, bucket 20,000), reuse 0, two ranks.
+Without a guess the first forward, the first backward and the first eval forward each fetched the whole
+model on demand. Now every first pass gathers exactly what a steady-state pass does, all ahead of use,
+and still records its observed order once (the guess itself is never cached).
+"""
+
+import pytest
+import torch
+
+import deepspeed
+import deepspeed_zero3
+from deepspeed_zero3.testing.engines import (batch, gathered_copies, inference_engine, mse_loss, training_engine,
+                                             zero3_config)
+from deepspeed_zero3.testing.models import ResidualMLPBlock, model_a, model_b
+
+# model numel, bucket, all-gather calls per pass, peak live numel per pass (module in use + window)
+MODELS = {
+    "A": (model_a, 6_312_196, 100_000, 25, 525_568),
+    "B": (model_b, 199_876, 20_000, 12, 49_728),
+}
+
+
+def passes(engine):
+    return deepspeed_zero3.get_zero3_stats(engine)["passes"]
+
+
+def train(engine, step):
+    engine.backward(mse_loss(engine(batch(step, torch.distributed.get_rank()))))
+    engine.step()
+
+
+def eval_forward(engine, step):
+    engine.eval()
+    with torch.no_grad():
+        out = engine(batch(step, torch.distributed.get_rank()))
+    engine.train()
+    return out
+
+
+def assert_steady(records, numel, calls, peak, recorded):
+    for p, record in zip(records, recorded):
+        assert p["demand_numel"] == 0, p
+        assert p["allgather_numel"] == p["prefetch_numel"] == numel, p
+        assert p["allgather_calls"] == calls and p["peak_live_numel"] == peak, p
+        assert p["trace_mismatches"] == 0 and p["trace_records"] == record, p
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_train_eval_alternation_from_the_first_step(name):
+    """Forward (registration order), backward (its reverse), eval forward (the training forward's order)."""
+    make, numel, bucket, calls, peak = MODELS[name]
+    torch.manual_seed(0)
+    engine = training_engine(make(), zero3_config(bucket=bucket, reuse=0))
+    for step in range(2):
+        train(engine, step)
+        eval_forward(engine, step)
+    records = passes(engine)
+    assert [p["kind"] for p in records] == ["forward", "backward", "eval_forward"] * 2
+    assert_steady(records, numel, calls, peak, recorded=[1, 1, 1, 0, 0, 0])
+    engine.destroy()
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_first_eval_after_training_steps(name):
+    make, numel, bucket, calls, peak = MODELS[name]
+    torch.manual_seed(0)
+    engine = training_engine(make(), zero3_config(bucket=bucket, reuse=0))
+    for step in range(3):
+        train(engine, step)
+    eval_forward(engine, 0)
+    train(engine, 3)  # and the training forward after it replays its own trace, not the eval's
+    records = passes(engine)
+    assert [p["kind"] for p in records] == ["forward", "backward"] * 3 + ["eval_forward", "forward", "backward"]
+    assert_steady(records, numel, calls, peak, recorded=[1, 1] + [0] * 4 + [1, 0, 0])
+    engine.destroy()
+
+
+def test_inference_engine_first_forward_and_z3_leaves():
+    """An inference engine's first forward follows registration order; a z3 leaf is one module of the guess."""
+    make, numel, bucket, calls, peak = MODELS["B"]
+    torch.manual_seed(0)
+    engine = inference_engine(make(), zero3_config(bucket=bucket, reuse=0))
+    eval_forward(engine, 0)
+    eval_forward(engine, 1)
+    assert_steady(passes(engine), numel, calls, peak, recorded=[1, 0])
+    engine.destroy()
+
+    torch.manual_seed(0)
+    model = make()
+    deepspeed.utils.set_z3_leaf_modules(model, [ResidualMLPBlock])
+    engine = training_engine(model, zero3_config(bucket=bucket, reuse=0))
+    train(engine, 0)
+    eval_forward(engine, 0)
+    records = passes(engine)
+    # inp, 6 leaf blocks (each fetched at once: up + down), head: 8 modules; the first call covers inp and block 0.
+    assert_steady(records, numel, calls=7, peak=2 * 33_088, recorded=[1, 1, 1])
+    engine.destroy()
+
+
+class Route(torch.nn.Module):
+    """Three 16x16 layers run in the order ``route`` names: registration order a, b, c."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleDict({name: torch.nn.Linear(16, 16) for name in "abc"})
+
+    def forward(self, x, route):
+        for name in route:
+            x = self.layers[name](x)
+        return x
+
+
+LAYER = 16 * 16 + 16
+
+
+@pytest.mark.parametrize("route, demand", [
+    ("cab", 3 * LAYER),  # run order differs from registration order: everything from c on is on demand
+    ("abca", LAYER),  # a module run twice: its second use is a miss, fetched on demand
+])
+def test_a_guess_that_misses_fetches_on_demand_and_records_what_ran(route, demand):
+    torch.manual_seed(0)
+    model = Route()
+    engine = inference_engine(model, zero3_config(bucket=LAYER, reuse=0))
+    x = batch(0, torch.distributed.get_rank())
+    with torch.no_grad():
+        out = engine(x, route)
+        engine(x, route)
+    first, second = passes(engine)
+    assert first["trace_mismatches"] == 1 and first["trace_records"] == 1, first
+    assert first["demand_numel"] == demand, first
+    assert first["allgather_numel"] == len(route) * LAYER, first
+    # The observed order was recorded: the second pass replays it and fetches nothing on demand.
+    assert second["trace_mismatches"] == 0 and second["trace_records"] == 0 and second["demand_numel"] == 0, second
+    assert deepspeed_zero3.get_zero3_stats(engine)["live_numel"] == 0
+
+    layers = {name: gathered_copies(model.layers[name].parameters()) for name in "abc"}
+    expected = x
+    for name in route:
+        weight, bias = layers[name]
+        expected = torch.nn.functional.linear(expected, weight, bias)
+    assert torch.equal(out, expected)
+    engine.destroy()
