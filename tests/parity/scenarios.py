@@ -37,6 +37,7 @@ import deepspeed.runtime.zero.partitioned_param_coordinator as partitioned_param
 from deepspeed_zero3.testing.engines import (batch, inference_engine, mse_loss, token_batch, train_step,
                                              training_engine, zero3_config)
 from deepspeed_zero3.testing.models import ResidualMLPBlock, TinyGPT, model_b
+from scenarios_firstpass import capped_default_reuse
 
 STEPS = 5
 PREFETCH = dict(bucket=20_000, reuse=0)  # buckets small enough that Model B prefetches
@@ -400,6 +401,7 @@ SCENARIOS = {
         gathered_parameters_in_loop,
         checkpoint_round_trip,
         inference_only,
+        capped_default_reuse,
     ],
     4: [plain_mlp, uneven_world4],
 }
