@@ -9,8 +9,8 @@ def side(peak, forward_x, backward_x, cpu=100.0):
 
 
 def test_pareto_drops_dominated_points_and_read_at_interpolates():
-    pts = {"a": dict(peak=100.0, gathered=1.0), "b": dict(peak=100.0, gathered=1.58), "c": dict(peak=50.0, gathered=1.5),
-           "d": dict(peak=60.0, gathered=1.6)}
+    pts = {"a": dict(peak=100.0, gathered=1.0), "b": dict(peak=100.0, gathered=1.58),
+           "c": dict(peak=50.0, gathered=1.5), "d": dict(peak=60.0, gathered=1.6)}
     front = frontier.pareto(pts)
     assert [(p["peak"], p["gathered"]) for p in front] == [(50.0, 1.5), (100.0, 1.0)]
     assert frontier.read_at(front, 75.0, "gathered") == 1.25

@@ -31,7 +31,8 @@ def test_eval_forward_borrows_the_training_forward_and_backward_reverses_it():
     cache.add(forward)
     prediction = FirstPassPrediction()
     borrowed = prediction.forward_guess(PassKind.EVAL_FORWARD, cache)
-    assert borrowed.source == "borrowed" and borrowed.kind is PassKind.EVAL_FORWARD and borrowed.module_ids == (1, 3, 4)
+    assert borrowed.source == "borrowed" and borrowed.kind is PassKind.EVAL_FORWARD
+    assert borrowed.module_ids == (1, 3, 4)
     assert prediction.forward_guess(PassKind.FORWARD, cache) is forward  # its own trace is no guess
     backward = prediction.backward_guess(forward, cache)
     assert backward.source == "reversed" and backward.module_ids == (4, 3, 1)
@@ -52,7 +53,8 @@ def test_a_guess_is_followed_loosely_and_never_completes_as_a_cached_trace():
 
 def test_a_guess_misses_on_a_reordered_or_repeated_module():
     _, (root, a, box, b, c) = tree()
-    progress = PassProgress(PassKind.FORWARD, TraceCache(), PredictedTrace(PassKind.FORWARD, [a, b, c], "registration"))
+    guess = PredictedTrace(PassKind.FORWARD, [a, b, c], "registration")
+    progress = PassProgress(PassKind.FORWARD, TraceCache(), guess)
     assert progress.observe(root) is StepOutcome.MATCHED
     assert progress.observe(b) is StepOutcome.DIVERGED
     assert not progress.replaying() and progress.trace_step == 1

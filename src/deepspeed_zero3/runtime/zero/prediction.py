@@ -78,7 +78,7 @@ class FirstPassPrediction:
         return self.expected_backward(forward)
 
     def expected_backward(self, forward: PassTrace) -> Optional[PassTrace]:
-        """The backward a forward trace's backward is expected to run: the one that last followed it, else its reverse."""
+        """The backward expected after ``forward``: the one that last followed it, else its reverse."""
         if forward.next_backward is not None:
             return forward.next_backward
         guess = self._reversed.get(forward)
