@@ -31,10 +31,23 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml setup.py $(shell find src -name
 	$(BIN)/pip install -q ".[test]"
 	touch $@
 
+# DeepSpeed's async_io op, for NVMe parameter offload (needs libaio-dev: `apt-get install libaio-dev`; .ci/run
+# installs it). Without libaio the NVMe parity scenario records why it could not run.
+define AIO_BUILD
+from deepspeed.ops.op_builder import AsyncIOBuilder
+builder = AsyncIOBuilder()
+if builder.is_compatible():
+    builder.load(verbose=False)
+else:
+    print("deepspeed-zero3: async_io op not buildable (no libaio-dev?); NVMe offload tests cannot run here")
+endef
+export AIO_BUILD
+
 # DeepSpeed's CPU comm op, built once here rather than by the first launch's ranks racing under a test timeout.
 $(VENV)/.ops: $(VENV)/.installed
 	@find $(TORCH_EXTENSIONS_DIR) -name lock -delete 2>/dev/null || true
 	$(BIN)/python -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()"
+	$(BIN)/python -c "$$AIO_BUILD"
 	touch $@
 
 venv: $(VENV)/.installed $(VENV)/.ops

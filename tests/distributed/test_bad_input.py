@@ -39,10 +39,3 @@ def test_unknown_stage3_key_rejected():
         training_engine(tiny_mlp(), config_with("stage3_prefetch_bukcet_size", 5))
     assert "stage3_prefetch_bukcet_size" in str(info.value)
 
-
-def test_nvme_param_offload_is_refused_clearly():
-    config = zero3_config(offload_param={"device": "nvme", "nvme_path": "/tmp"})
-    with pytest.raises(NotImplementedError, match=r"NVMe parameter offload \(offload_param.device='nvme'\) is not "
-                       r"supported by deepspeed-zero3 yet"):
-        training_engine(tiny_mlp(), config)
-

@@ -38,6 +38,7 @@ from deepspeed_zero3.testing.engines import (batch, inference_engine, mse_loss, 
                                              training_engine, zero3_config)
 from deepspeed_zero3.testing.models import ResidualMLPBlock, TinyGPT, model_b
 from scenarios_firstpass import capped_default_reuse
+from scenarios_nvme import nvme_param_offload
 
 STEPS = 5
 PREFETCH = dict(bucket=20_000, reuse=0)  # buckets small enough that Model B prefetches
@@ -80,7 +81,9 @@ class Run:
                 digest.update(name.encode())
                 digest.update(str(tuple(value.shape)).encode())
                 digest.update(str(value.dtype).encode())
-                digest.update(value.numpy().tobytes())
+                # numpy has no bfloat16: hash its bytes
+                raw = value.view(torch.uint8) if value.dtype == torch.bfloat16 else value
+                digest.update(raw.numpy().tobytes())
         if key == "params_sha256":
             self.params_sha256 = digest.hexdigest()
         else:
@@ -402,6 +405,7 @@ SCENARIOS = {
         checkpoint_round_trip,
         inference_only,
         capped_default_reuse,
+        nvme_param_offload,
     ],
     4: [plain_mlp, uneven_world4],
 }

@@ -21,8 +21,7 @@ from deepspeed_zero3.runtime.zero.hooks import handle_is_live
 from deepspeed_zero3.runtime.zero.ordered_dict import (FWD_MODULE_STACK, ZeROOrderedDict, ensure_zero_ordered_dict,
                                                        inject_zero_ordered_dicts)
 from deepspeed_zero3.runtime.zero.param_registry import ParamStateRegistry, find_registry
-from deepspeed_zero3.runtime.zero.partitioned_param_coordinator import (NVME_NOT_SUPPORTED,
-                                                                        PartitionedParameterCoordinator)
+from deepspeed_zero3.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
 from deepspeed_zero3.runtime.zero.settings import PrefetchSettings
 
 __all__ = ["DeepSpeedZeRoOffload", "ZeROOrderedDict", "ensure_zero_ordered_dict", "FWD_MODULE_STACK"]
@@ -89,8 +88,6 @@ class DeepSpeedZeRoOffload:
         self.log_trace_cache_warnings = log_trace_cache_warnings
         self.fast_sharding_for_leaf_module = False
         if offload_param_config is not None and offload_param_config.device != OffloadDeviceEnum.none:
-            if offload_param_config.device == OffloadDeviceEnum.nvme:
-                raise NotImplementedError(NVME_NOT_SUPPORTED)
             self.offload_device = offload_param_config.device
             self.offload_param_pin_memory = offload_param_config.pin_memory
 
@@ -119,6 +116,7 @@ class DeepSpeedZeRoOffload:
                 max_available_parameters_in_numel=self.settings.max_live_numel,
                 allgather_stream=self._make_allgather_stream(overlap_comm),
                 inflight_param_registry=InflightParamRegistry(),
+                prefetch_nvme=self.offload_device == OffloadDeviceEnum.nvme,
                 timers=timers,
                 zero_quantized_weights=zero_quantized_weights,
                 zero_quantized_nontrainable_weights=zero_quantized_nontrainable_weights,

@@ -40,6 +40,8 @@ from deepspeed_zero3.runtime.zero.gather import Gatherer, InflightParamRegistry,
 from deepspeed_zero3.runtime.zero.keeping import BackwardKeeping
 from deepspeed_zero3.runtime.zero.module_params import fetch_params, iter_params
 from deepspeed_zero3.runtime.zero.prediction import FirstPassPrediction
+from deepspeed_zero3.runtime.zero.nvme_swap import (NvmeSwapIns, blocks_gather, on_nvme,
+                                                    persistent_partitions_in_memory)
 from deepspeed_zero3.runtime.zero.prefetch import PassPrefetcher
 from deepspeed_zero3.runtime.zero.rank_agreement import (CHECK_RANKS_ENV, PassOrderCheck, check_ranks_from_env,
                                                          check_same_module_on_all_ranks)
@@ -49,11 +51,8 @@ from deepspeed_zero3.runtime.zero.trace import PassProgress, PassTrace, StepOutc
 
 __all__ = [
     "PartitionedParameterCoordinator", "InflightParamRegistry", "iter_params", "PassPhase", "PassKind",
-    "NVME_NOT_SUPPORTED", "CHECK_RANKS_ENV"
+    "CHECK_RANKS_ENV"
 ]
-
-NVME_NOT_SUPPORTED = ("NVMe parameter offload (offload_param.device='nvme') is not supported by deepspeed-zero3 yet; "
-                      "use offload_param.device 'cpu' or 'none', or set DEEPSPEED_ZERO3=0 to run upstream's runtime")
 
 
 class PassPhase(enum.Enum):
@@ -86,8 +85,6 @@ class PartitionedParameterCoordinator:
         trace_cache_size: int = 8,
         data_parallel_group=None,
     ) -> None:
-        if prefetch_nvme:
-            raise NotImplementedError(NVME_NOT_SUPPORTED)
         self.settings = PrefetchSettings.from_config_values(prefetch_bucket_sz, max_available_parameters_in_numel,
                                                             max_reuse_distance_in_numel)
         self.inflight = inflight_param_registry
@@ -98,6 +95,8 @@ class PartitionedParameterCoordinator:
         self.log_trace_cache_warnings = log_trace_cache_warnings
         self.timers = timers
         self.hierarchy = 0  # upstream's attribute; stage 3 sets it
+        # NVMe parameter offload: partitions read ahead of the gather walk ([Note: NVMe swap-in ahead]).
+        self.swap_ins: Optional[NvmeSwapIns] = NvmeSwapIns() if prefetch_nvme else None
 
         self.traces = TraceCache(trace_cache_size)
         self.prediction = FirstPassPrediction()
@@ -282,6 +281,8 @@ class PartitionedParameterCoordinator:
         if compare and not aborted and self.progress.observed:
             self.order_check.add(self.stats.current.index, self.progress.kind, self.progress.observed_ids,
                                  self.progress.observed)
+        if self.swap_ins is not None:
+            self.stats.current.swap_in_unused += self.swap_ins.end_pass()
         self.stats.end_pass(aborted=aborted)
         self.phase = PassPhase.IDLE
         self.progress = None
@@ -328,8 +329,14 @@ class PartitionedParameterCoordinator:
                 self.active_backward[current_submodule.ds_id] = current_submodule
             for param in params:
                 param.ds_active_sub_modules.add(current_submodule.ds_id)
+            if self.swap_ins is not None:
+                self._make_swap_room(params)
             self._gather(params, prefetch=False)
             self.gatherer.wait(params)
+            if self.swap_ins is not None:
+                persisted = persistent_partitions_in_memory(params)
+                if persisted:  # gathered for good: their NVMe partition buffers are not needed again
+                    persisted[0].nvme_swapper.remove_partition_and_release_buffers(persisted)
             for param in params:
                 if param.ds_status != ZeroParamStatus.AVAILABLE:
                     raise RuntimeError(f"deepspeed-zero3: parameter ds_id={param.ds_id} shape={tuple(param.ds_shape)} "
@@ -368,9 +375,33 @@ class PartitionedParameterCoordinator:
         if prefetcher is None:
             return
         prefetcher.reached(step)
-        wanted = prefetcher.plan(self.live_numel, self.settings.max_live_numel, is_persistent=lambda p: p.ds_persist)
+        wanted = prefetcher.plan(self.live_numel, self.settings.max_live_numel, is_persistent=lambda p: p.ds_persist,
+                                 stop_at=blocks_gather if self.swap_ins is not None else None)
         if wanted:
             self._gather(wanted, prefetch=True)
+        if self.swap_ins is not None:
+            self.stats.current.swap_in_ahead += self.swap_ins.read_ahead(prefetcher.trace.param_uses,
+                                                                         prefetcher.cursor, self.settings.bucket_numel)
+
+    def _make_swap_room(self, params) -> None:
+        """A demand fetch reads partitions from NVMe synchronously: count them, and free buffers for them."""
+        needed = [p for p in params if blocks_gather(p)]
+        if not needed:
+            return
+        self.stats.current.swap_in_demand += len(needed)
+        self.swap_ins.make_room(needed, self._release_gathered_for_swap_room)
+
+    def _release_gathered_for_swap_room(self, count: int) -> None:
+        """Free ``count`` swap buffers by releasing gathered parameters not in use (kept, then prefetched)."""
+        prefetcher = self.current_prefetcher()
+        candidates = list(self.reuse_kept) + (list(prefetcher.outstanding) if prefetcher is not None else [])
+        for param in candidates:
+            if count <= 0:
+                return
+            if (on_nvme(param) and param.ds_status != ZeroParamStatus.NOT_AVAILABLE and not param.ds_active_sub_modules
+                    and not held_by_gathered_parameters(param)):
+                self._release(param)
+                count -= 1
 
     def _gather(self, params: Iterable[Parameter], prefetch: bool) -> None:
         for group in self.gatherer.submit(params):

@@ -29,7 +29,7 @@ the parameter for the claimed step. Without the claim that later use would be
 a demand fetch, because the cursor is already past it.
 """
 
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Optional
 
 from torch.nn import Parameter
 
@@ -98,8 +98,13 @@ class PassPrefetcher:
         self.outstanding.pop(param, None)
         self.claims.pop(param, None)
 
-    def plan(self, live_numel: int, max_live_numel: int, is_persistent: Callable[[Parameter], bool]) -> List[Parameter]:
-        """Parameters to gather now, in trace order, within the window and the live cap."""
+    def plan(self, live_numel: int, max_live_numel: int, is_persistent: Callable[[Parameter], bool],
+             stop_at: Optional[Callable[[Parameter], bool]] = None) -> List[Parameter]:
+        """Parameters to gather now, in trace order, within the window and the live cap.
+
+        The walk waits (stops without passing it) at a parameter ``stop_at`` names: an NVMe partition not read
+        yet ([Note: NVMe swap-in ahead]).
+        """
         budget = min(self.bucket_numel - self.outstanding_numel, max_live_numel - live_numel)
         chosen: List[Parameter] = []
         chosen_numel = 0
@@ -107,6 +112,8 @@ class PassPrefetcher:
         started_step = None  # a module is prefetched whole, so its small bias is never left to a demand fetch
         while self.cursor < len(uses) and (chosen_numel < budget or uses[self.cursor][1] == started_step):
             param, step = uses[self.cursor]
+            if stop_at is not None and stop_at(param):
+                break
             if chosen_numel < budget:
                 started_step = step
             if param.ds_status != ZeroParamStatus.NOT_AVAILABLE or param in self.outstanding:

@@ -31,6 +31,10 @@ class PassStats:
     trace_mismatches: int = 0  # 1 when this pass left the trace it replayed with no cached trace to switch to
     trace_switches: int = 0  # times this pass moved to another cached trace that matched what ran
     aborted: bool = False  # the pass ended without its closing hook (exception, abandoned step)
+    # NVMe parameter offload ([Note: NVMe swap-in ahead] in nvme_swap.py), in partitions:
+    swap_in_ahead: int = 0  # read from NVMe ahead of their gather, asynchronously
+    swap_in_demand: int = 0  # read synchronously by the gather of the module that needed them
+    swap_in_unused: int = 0  # read ahead and given back unused at the end of the pass
 
     def as_dict(self):
         return asdict(self)
@@ -47,6 +51,9 @@ class KindTotals:
     trace_records: int = 0
     trace_mismatches: int = 0
     trace_switches: int = 0
+    swap_in_ahead: int = 0
+    swap_in_demand: int = 0
+    swap_in_unused: int = 0
 
     def add(self, stats: PassStats):
         self.passes += 1
@@ -58,6 +65,9 @@ class KindTotals:
         self.trace_records += stats.trace_records
         self.trace_mismatches += stats.trace_mismatches
         self.trace_switches += stats.trace_switches
+        self.swap_in_ahead += stats.swap_in_ahead
+        self.swap_in_demand += stats.swap_in_demand
+        self.swap_in_unused += stats.swap_in_unused
 
 
 @dataclass
