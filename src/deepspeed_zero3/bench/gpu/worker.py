@@ -15,8 +15,8 @@ steps (the first records the traces):
 
 Every phase runs the same training steps in both runtimes, so the parity digest covers them all. With
 ``--zenflow`` the config adds ZenFlow (offloaded optimizer); a runtime without ZenFlow support says so
-in ``unsupported`` instead of failing. ``--device cpu`` is a dry run on gloo for developing without a GPU
-(parity phase only).
+in ``unsupported`` instead of failing. ``--device cpu`` is a dry run on gloo (still bf16, still offloaded) for
+developing without a GPU: the parity phase only.
 """
 
 import argparse
@@ -88,8 +88,7 @@ def ds_config(args) -> dict:
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
-    if args.device == "cuda":
-        config["bf16"] = {"enabled": True}
+    config["bf16"] = {"enabled": True}
     if args.zenflow:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
         zero["zenflow"] = {"topk_ratio": 0.1, "update_interval": 2, "full_warm_up_rounds": 0, "overlap_step": False}
@@ -158,7 +157,7 @@ def run(args) -> dict:
         result["device_name"] = torch.cuda.get_device_name(0)
     deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
-    dtype = torch.bfloat16 if cuda else torch.float32
+    dtype = torch.bfloat16
     model = build_model(args.model)
     result["params"] = sum(p.numel() for p in model.parameters())
     config = ds_config(args)
