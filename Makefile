@@ -19,7 +19,8 @@ LAUNCH = $(BIN)/deepspeed --num_gpus $(NPROC) --master_port $(PORT)
 RELEASE_SHM = status=$$?; rm -f /dev/shm/deepspeed_allreduce_buffer_$$(id -u)_*_$(PORT)_*; exit $$status
 DIST_PYTEST = --no_local_rank --module pytest -q -p no:cacheprovider
 
-.PHONY: venv venv-int demo test test-unit test-parity test-distributed test-world4 test-integration bench soak clean-locks clean
+.PHONY: venv venv-int demo test test-unit test-parity test-distributed test-world4 test-integration bench soak clean-locks clean \
+	test-gpu gpu-wheels gpu-check
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -96,6 +97,22 @@ test-integration: venv venv-int clean-locks
 
 test-world4: venv clean-locks
 	LOCAL_SIZE=4 $(BIN)/deepspeed --num_gpus 4 --master_port $(PORT) $(DIST_PYTEST) -m world_size tests/distributed; $(RELEASE_SHM)
+
+# GPU checks (world size 1, NCCL, offloaded parameters; README "On GPUs"). Without CUDA tests/gpu say so and
+# skip, exit 0. GPU_PYTHON picks another interpreter (a GPU machine's own, with CUDA torch) instead of the venv.
+GPU_PYTHON ?= $(BIN)/python
+
+test-gpu: $(if $(filter $(BIN)/python,$(GPU_PYTHON)),venv)
+	@$(GPU_PYTHON) -c "import torch; print('test-gpu: ' + ('running on ' + torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no CUDA device (torch ' + torch.__version__ + '): tests/gpu are skipped'))"
+	$(GPU_PYTHON) -m pytest -q -rs tests/gpu
+
+# Wheels for a GPU machine without a network (git-ignored .whl/): deepspeed, this package, missing dependencies.
+gpu-wheels: venv
+	PYTHON=$(BIN)/python bash tools/gpu_wheels.sh
+
+# On a GPU machine, at most 8 minutes: installs .whl/ if present, runs test-gpu and the GPU benchmark, one table.
+gpu-check:
+	bash tools/gpu_check.sh
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info .torch_extensions demo-out

@@ -9,7 +9,7 @@ import torch
 import deepspeed
 import deepspeed.comm as dist
 import deepspeed_zero3
-from deepspeed_zero3.runtime.zero.rank_agreement import CHECK_RANKS_ENV
+from deepspeed_zero3.runtime.zero.rank_agreement import CHECK_RANKS_ENV, MAX_PENDING_PASSES
 from deepspeed_zero3.testing.engines import (batch, gathered_copies, mse_loss, train_step, training_engine,
                                              zero3_config)
 from deepspeed_zero3.testing.models import model_b
@@ -89,9 +89,10 @@ def test_bad_check_ranks_value():
         del os.environ[CHECK_RANKS_ENV]
 
 
-def test_default_check_after_an_eval_forward_names_rank_pass_step_and_module():
-    """Without the debug mode: a replayed trace, ranks swap two equally sized blocks (so every all-gather pairs
-    up, with the wrong shards), and the check at the end of the no-grad forward stops every rank."""
+def test_default_check_at_the_next_backward_names_rank_pass_step_and_module():
+    """Without the debug mode: a replayed trace, ranks swap two equally sized blocks in a no-grad forward (so
+    every all-gather pairs up, with the wrong shards). The eval forward's order is compared at the next
+    backward ([Note: diverging ranks]), which raises on every rank before its optimizer step."""
     torch.manual_seed(0)
     model = RankDependent()
     engine = training_engine(model, zero3_config(bucket=0, reuse=0))
@@ -100,31 +101,87 @@ def test_default_check_after_an_eval_forward_names_rank_pass_step_and_module():
         with torch.no_grad():
             engine(batch(10 + step, torch.distributed.get_rank()))
     model.diverge = "swap"
+    with torch.no_grad():
+        engine(batch(12, torch.distributed.get_rank()))  # pass 6: not compared yet
+    model.diverge = None
     with pytest.raises(RuntimeError) as info:
-        with torch.no_grad():
-            engine(batch(12, torch.distributed.get_rank()))
+        train_step(engine, batch(2, torch.distributed.get_rank()))  # passes 7 and 8; the check ends pass 8
     message = str(info.value)
     blocks = model.inner.blocks
+    # Passes 5..8: the eval forward after step 1, the diverging one, then the forward and backward of step 2.
     # Steps: 0 root, 1 inp, 3 per block: step 8 is block 2 (rank 0) or block 3 (rank 1).
-    assert "deepspeed-zero3: ranks ran different modules (checked after pass 6, covering passes 6..6)" in message
+    assert "deepspeed-zero3: ranks ran different modules (checked after pass 8, covering passes 5..8)" in message
     assert f"rank 0: eval_forward pass, step 8, module ResidualMLPBlock ds_id={blocks[2].ds_id}" in message
     assert f"rank 1: eval_forward pass, step 8, module ResidualMLPBlock ds_id={blocks[3].ds_id}" in message
     assert "this step must not be applied" in message and f"Set {CHECK_RANKS_ENV}=1 to stop before" in message
-    model.diverge = None
+    deepspeed_zero3.abandon_step(engine)
     assert train_step(engine, batch(3, torch.distributed.get_rank())) > 0
     engine.destroy()
 
 
-def test_default_check_costs_one_small_collective_per_backward_and_eval_forward():
-    """The always-on check adds exactly one all_gather per backward pass and per no-grad forward pass."""
+def test_default_check_after_a_batch_of_no_grad_forwards():
+    """No backward follows (an inference-only loop, generation): the orders are compared after every
+    MAX_PENDING_PASSES passes. A swap in the 3rd no-grad forward after the last check raises in the
+    MAX_PENDING_PASSES-th, on every rank, naming that pass."""
+    torch.manual_seed(0)
+    model = RankDependent()
+    engine = training_engine(model, zero3_config(bucket=0, reuse=0))
+    train_step(engine, batch(0, torch.distributed.get_rank()))  # passes 0, 1; checked at the end of 1
+    completed = 0
+    with pytest.raises(RuntimeError) as info:
+        with torch.no_grad():
+            for step in range(MAX_PENDING_PASSES):
+                model.diverge = "swap" if step == 2 else None
+                engine(batch(10 + step, torch.distributed.get_rank()))
+                completed += 1
+    model.diverge = None
+    assert completed == MAX_PENDING_PASSES - 1  # the last one raised, at its end
+    last = 1 + MAX_PENDING_PASSES
+    message = str(info.value)
+    blocks = model.inner.blocks
+    assert f"(checked after pass {last}, covering passes 2..{last})" in message
+    assert f"rank 0: eval_forward pass, step 8, module ResidualMLPBlock ds_id={blocks[2].ds_id}" in message
+    assert f"rank 1: eval_forward pass, step 8, module ResidualMLPBlock ds_id={blocks[3].ds_id}" in message
+    assert train_step(engine, batch(1, torch.distributed.get_rank())) > 0
+    engine.destroy()
+
+
+def rank_agreement_calls_per_pass(engine, passes):
+    """Run ``passes`` (callables, one pass each) and return the rank-agreement all_gathers each one made."""
+    made = []
+    with counted_all_gathers() as calls:
+        for run in passes:
+            before = len(calls)
+            run()
+            made.append(calls[before:])
+    return made
+
+
+def test_default_check_costs_one_small_collective_per_backward_and_per_batch_of_passes():
+    """The always-on check adds exactly one all_gather of 3 integers per backward pass, and one per
+    MAX_PENDING_PASSES passes without a backward: none in an eval forward or a generated token of its own."""
+    rank = torch.distributed.get_rank()
     torch.manual_seed(0)
     engine = training_engine(RankDependent(), zero3_config(bucket=0, reuse=0))
-    train_step(engine, batch(0, torch.distributed.get_rank()))
-    with counted_all_gathers() as calls:
-        train_step(engine, batch(1, torch.distributed.get_rank()))
+    train_step(engine, batch(0, rank))
+
+    def no_grad_forward(step):
         with torch.no_grad():
-            engine(batch(2, torch.distributed.get_rank()))
-    assert calls == [3, 3]
+            engine(batch(100 + step, rank))
+
+    # A training step and an eval forward: the eval forward's order is compared at the next backward.
+    assert rank_agreement_calls_per_pass(engine, [
+        lambda: train_step(engine, batch(1, rank)),
+        lambda: no_grad_forward(0),
+        lambda: train_step(engine, batch(2, rank)),
+    ]) == [[3], [], [3]]
+    # A generation loop of 2 * MAX_PENDING_PASSES + 5 tokens: one check per MAX_PENDING_PASSES tokens.
+    tokens = 2 * MAX_PENDING_PASSES + 5
+    made = rank_agreement_calls_per_pass(engine, [lambda step=step: no_grad_forward(step) for step in range(tokens)])
+    assert [index for index, calls in enumerate(made) if calls] == [MAX_PENDING_PASSES - 1, 2 * MAX_PENDING_PASSES - 1]
+    assert sum(made, []) == [3, 3]
+    # The 5 tokens left over are compared with the next training step's orders, in its one check.
+    assert rank_agreement_calls_per_pass(engine, [lambda: train_step(engine, batch(3, rank))]) == [[3]]
     engine.destroy()
 
 
@@ -157,7 +214,7 @@ def test_no_grad_forward_on_one_rank_under_gathered_parameters():
     assert [p["kind"] for p in shared] == ["forward", "backward", "eval_forward"] * 3
     assert [p["trace_records"] for p in shared] == [1, 1, 1] + [0] * 6
     assert all(p["demand_numel"] == 0 for p in shared[3:]), shared
-    assert checks == [3, 3] * 3  # the order check after each backward and each shared eval forward only
+    assert checks == [3] * 3  # the order check after each backward only; eval forwards join the next one
     assert deepspeed_zero3.get_zero3_stats(engine)["live_numel"] == 0
     engine.destroy()
 

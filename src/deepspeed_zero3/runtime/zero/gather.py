@@ -63,13 +63,19 @@ class Gatherer:
         return issued
 
     def wait(self, params: Iterable[Parameter]) -> None:
-        """Block until each of ``params`` is AVAILABLE (those in flight are completed here)."""
-        waited = False
+        """Block until each of ``params`` is AVAILABLE (those in flight are completed here).
+
+        [Note: the stream dependency] Whatever was popped here, the current stream then waits for the
+        all-gather stream, as upstream's fetch_sub_module does after every fetch (on accelerators that do not
+        resolve data dependencies themselves). A parameter may have been completed earlier while another
+        stream was current: by a coalesced sibling's wait, or kept for reuse, claimed by the prefetcher, kept
+        for the backward. The stream running this module has not waited for that copy yet, and would read
+        ``param.data`` before the gather has written it.
+        """
         for param in params:
             handle = self.inflight.pop(param, None)
             if handle is None:
                 continue
-            waited = True
             with get_accelerator().stream(self.allgather_stream):
                 while self.queued_events and self.queued_events[0].query():
                     self.queued_events.popleft()
@@ -80,7 +86,7 @@ class Gatherer:
                     event = get_accelerator().Event()
                     event.record()
                     self.queued_events.append(event)
-        if waited and not get_accelerator().resolves_data_dependency():
+        if not get_accelerator().resolves_data_dependency():
             get_accelerator().current_stream().wait_stream(self.allgather_stream)
 
     def wait_all(self) -> List[Parameter]:

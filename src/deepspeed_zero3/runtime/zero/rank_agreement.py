@@ -9,13 +9,27 @@ differ in size the collectives fail or wait for the process-group timeout.
 
 Two levels of checking, both collective, so every rank raises the same error:
 
-* Always (``PassOrderCheck``): after every backward pass and every no-grad
-  forward pass, the ranks exchange one fingerprint of the module orders they ran
-  since the last check: one all_gather of 3 integers, where the runtime already
-  stops (the end of ``engine.backward()``, the end of an eval forward). On a
-  mismatch they exchange the full orders and raise, naming each rank's pass,
-  step and module. What ran before the check may have been gathered wrongly;
-  the step raises before its optimizer step, so nothing wrong is applied.
+* Always (``PassOrderCheck``): the ranks exchange one fingerprint of the module
+  orders of every pass they ran since the last check (one all_gather of 3
+  integers and one device-to-host copy) at the end of every backward pass,
+  where ``engine.backward()`` stops anyway, and after every MAX_PENDING_PASSES
+  passes without a backward. Eval and generation forwards are therefore compared
+  in batches: a generated token costs no collective and no host sync of its own
+  (upstream has none there either); a divergence in a no-grad forward is
+  detected at the next backward, or at the latest MAX_PENDING_PASSES passes
+  after the last check (an inference-only engine, a generation loop). On a
+  mismatch the ranks exchange the full orders and raise, naming each rank's
+  pass, step and module. What ran before the check may have been gathered
+  wrongly: the outputs of the no-grad passes in the batch, and the gradients of
+  the step, which raises at the end of its backward, before its optimizer step,
+  so nothing wrong is applied (``deepspeed_zero3.abandon_step(engine)`` drops
+  them). Passes that no backward and no full batch follows (the last few of an
+  inference-only run) are not compared: a check at ``destroy()`` would be a
+  collective in a call that upstream keeps local, which one rank may make alone
+  (or the garbage collector on its own schedule), and would hang there.
+  Every rank must count the same passes for the batches to line up: silent
+  passes ([Note: silent passes] in the coordinator) and aborted ones are not
+  counted on any rank.
 * ``DEEPSPEED_ZERO3_CHECK_RANKS=1`` (``check_same_module_on_all_ranks``):
   before every fetch, one all_gather of 2 integers. Ranks stop before any
   mismatched all-gather is issued. It costs one small collective per module
@@ -39,6 +53,8 @@ from deepspeed_zero3.runtime.zero.stats import PassKind
 CHECK_RANKS_ENV = "DEEPSPEED_ZERO3_CHECK_RANKS"
 AGREEMENT_ADVICE = ("ZeRO-3 needs every rank to run the same modules in the same order; make data-dependent "
                     "control flow agree across ranks (decide it on one rank and broadcast it).")
+# Passes compared in one batch at most when no backward comes: the delay before a divergence in eval or
+# generation forwards is detected, and one check's cost spread over that many passes.
 MAX_PENDING_PASSES = 32
 _KIND_CODES = {kind: -10 - index for index, kind in enumerate(PassKind)}
 _KINDS_BY_CODE = {code: kind for kind, code in _KIND_CODES.items()}
@@ -51,7 +67,8 @@ def check_ranks_from_env(environ) -> bool:
     if raw in ("1", "true", "on", "yes"):
         return True
     raise ValueError(f"{CHECK_RANKS_ENV}={raw!r} is not allowed: use 1 to check the module order across ranks "
-                     f"before every fetch, or 0 (default) to check it after every backward and no-grad forward pass")
+                     f"before every fetch, or 0 (default) to check it after every backward pass and every "
+                     f"{MAX_PENDING_PASSES} passes without one")
 
 
 def distributed(group=None) -> bool:
@@ -108,9 +125,10 @@ class PassOrderCheck:
         self.pending.append((number, kind, ids, modules))
 
     def due(self, kind: PassKind) -> bool:
-        """Check after a backward or a no-grad forward (where the runtime stops anyway), and after a run of
-        forwards with grad that no backward followed (bounded memory for the pending orders)."""
-        return kind is not PassKind.FORWARD or len(self.pending) >= MAX_PENDING_PASSES
+        """Check after a backward (where the runtime stops anyway), and after MAX_PENDING_PASSES passes that
+        no backward followed: eval forwards and generated tokens are compared in batches, with bounded memory
+        for the pending orders ([Note: diverging ranks])."""
+        return kind is PassKind.BACKWARD or len(self.pending) >= MAX_PENDING_PASSES
 
     def flat(self) -> List[int]:
         """The pending orders as one sequence: a kind marker, then that pass's ds_ids."""
