@@ -84,5 +84,14 @@ test-integration: venv venv-int clean-locks
 test-world4: venv clean-locks
 	LOCAL_SIZE=4 $(BIN)/deepspeed --num_gpus 4 --master_port $(PORT) $(DIST_PYTEST) -m world_size tests/distributed; $(RELEASE_SHM)
 
+# Upstream's own ZeRO-3 unit tests under both runtimes (not part of `make test`: about an hour per runtime on 2
+# cores). UPSTREAM is a DeepSpeed source checkout; its tests/ is copied into compat-out/, never into this repository.
+# Rebuilds docs/compat/upstream-unit-tests.md; options through COMPAT_ARGS, e.g. COMPAT_ARGS="--collect-only" or
+# COMPAT_ARGS="--files test_z3_eager_fallback.py" (other rows keep their earlier, dated measurement).
+.PHONY: compat
+compat: venv clean-locks
+	@test -n "$(UPSTREAM)" || { echo "usage: make compat UPSTREAM=<path to a DeepSpeed checkout>"; exit 2; }
+	$(BIN)/python tools/upstream_compat.py --upstream "$(UPSTREAM)" $(COMPAT_ARGS)
+
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info .torch_extensions demo-out
