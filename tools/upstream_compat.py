@@ -61,15 +61,22 @@ STAGE3_TEXT = re.compile(r"""["']stage["']\s*:\s*3\b|\bzero_stage\s*=\s*3\b|\bst
                          r"""parameter_offload|partitioned_param_coordinator|\bZero3|\bzero3|\bz3_|ZeRO-3""")
 
 
-def is_stage3(item):
+def stage_param(item):
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    return next(((name, params[name]) for name in STAGE_PARAMS if name in params), None)
+
+
+def is_stage3(item, module_has_stage_params: bool):
     """(stage 3?, why) for a collected test. A ``zero_stage``/``stage`` parameter decides; without one, a
     stage-3 mark in the test's own source or its class's (a stage-3 config, ``zero.Init``, ZeRO-3 parameter
-    status, ...); without one there either, a module named for ZeRO-3 (``z3``, ``zero3``, ``stage3``)."""
-    params = getattr(getattr(item, "callspec", None), "params", {})
-    for name in STAGE_PARAMS:
-        if name in params:
-            return str(params[name]) == "3", f"{name}={params[name]}"
-    for what, obj in (("test", getattr(item, "function", None)), ("class", getattr(item, "cls", None))):
+    status, ...); without one there either, a module named for ZeRO-3 (``z3``, ``zero3``, ``stage3``), or one
+    with a stage-3 mark whose tests have no stage parameter at all (its configs are module-level helpers)."""
+    param = stage_param(item)
+    if param is not None:
+        return str(param[1]) == "3", f"{param[0]}={param[1]}"
+    module = getattr(item, "module", None)
+    for what, obj in (("test", getattr(item, "function", None)), ("class", getattr(item, "cls", None)),
+                      ("module", None if module_has_stage_params else module)):
         if obj is None:
             continue
         try:
@@ -79,9 +86,9 @@ def is_stage3(item):
         found = STAGE3_TEXT.search(source)
         if found:
             return True, f"{what} source: {found.group(0)!r}"
-    module = getattr(getattr(item, "module", None), "__name__", "")
-    if re.search(r"z3|zero3|stage3", module):
-        return True, f"module {module}"
+    name = getattr(module, "__name__", "")
+    if re.search(r"z3|zero3|stage3", name):
+        return True, f"module {name}"
     return False, "no stage-3 parameter or source mark"
 
 
@@ -120,8 +127,9 @@ def pytest_collection_finish(session):
     if not path:
         return
     records = []
+    with_stage_params = {item.nodeid.split("::", 1)[0] for item in session.items if stage_param(item) is not None}
     for item in session.items:
-        stage3, why = is_stage3(item)
+        stage3, why = is_stage3(item, item.nodeid.split("::", 1)[0] in with_stage_params)
         records.append({"nodeid": item.nodeid, "stage3": stage3, "why": why})
     Path(path).write_text(
         json.dumps({
@@ -372,7 +380,16 @@ def render(store: dict) -> str:
         lines.append(f"| {test_file.removeprefix('unit/')} | {entry.get('collected', '')} | {entry.get('stage3', '')} "
                      f"| {' | '.join(cells)} |")
     lines.append(f"| **total run** | | | **{total_run}** | **{fmt(totals['upstream'])}** | **{fmt(totals['ours'])}** | |")
+    runs = [e["run"] for e in store["files"].values() if e.get("run")]
+    by_source = {}
+    for run in runs:
+        label = f"run by `make compat` on {run['on']}" if run["source"] == "make compat" else f"from the {run['source']}"
+        by_source[label] = by_source.get(label, 0) + run["tests"]
     lines += [
+        "",
+        f"Stage-3 tests selected: {sum(e.get('stage3', 0) for e in store['files'].values())}. Run: {total_run}, "
+        + ", ".join(f"{n} {label}" for label, n in sorted(by_source.items())) + ". Rows *not run yet* wait for a "
+        "full `make compat`.",
         "",
         f"Collected on {store['collected_on']} under both runtimes. Collection errors: "
         + "; ".join(f"{rt}: {len(errs)}" for rt, errs in store.get("collect_errors", {}).items()) + ".",
@@ -402,17 +419,23 @@ def render(store: dict) -> str:
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--upstream", required=True, type=Path, help="a DeepSpeed source checkout (its tests/)")
+    parser.add_argument("--upstream", type=Path, help="a DeepSpeed source checkout (its tests/)")
     parser.add_argument("--work", type=Path, default=REPO / "compat-out", help="scratch directory")
     parser.add_argument("--files", nargs="*", default=None,
                         help="run only test files whose path ends with one of these (default: every file with "
                         "stage-3 tests); other rows keep their earlier measurement")
     parser.add_argument("--collect-only", action="store_true", help="update the collected/stage-3 counts only")
+    parser.add_argument("--render-only", action="store_true", help="rebuild the table from the results store only")
     parser.add_argument("--timeout", type=int, default=1500, help="seconds per file and runtime")
     parser.add_argument("--results", type=Path, default=REPO / "docs/compat/upstream-unit-tests.json")
     parser.add_argument("--doc", type=Path, default=REPO / "docs/compat/upstream-unit-tests.md")
     args = parser.parse_args(argv)
 
+    if not args.render_only and args.upstream is None:
+        parser.error("--upstream is required (a DeepSpeed source checkout)")
+    if args.render_only:
+        args.doc.write_text(render(json.loads(args.results.read_text())))
+        return 0
     args.work.mkdir(parents=True, exist_ok=True)
     upstream = prepare(args.upstream.resolve(), args.work)
     today = datetime.date.today().isoformat()
