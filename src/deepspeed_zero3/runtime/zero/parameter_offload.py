@@ -47,6 +47,7 @@ from deepspeed_zero3.runtime.zero.partitioned_param_coordinator import (NVME_NOT
                                                                         PartitionedParameterCoordinator)
 from deepspeed_zero3.runtime.zero.settings import PrefetchSettings
 
+
 def _not_supported(feature: str) -> NotImplementedError:
     return NotImplementedError(f"{feature} is not supported by deepspeed-zero3 yet; set DEEPSPEED_ZERO3=0 to run "
                                f"upstream's ZeRO-3 runtime for this job")
