@@ -113,6 +113,14 @@ gpu-wheels: venv
 # On a GPU machine, at most 8 minutes: installs .whl/ if present, runs test-gpu and the GPU benchmark, one table.
 gpu-check:
 	bash tools/gpu_check.sh
+# Upstream's own ZeRO-3 unit tests under both runtimes (not part of `make test`: about an hour per runtime on 2
+# cores). UPSTREAM is a DeepSpeed source checkout; its tests/ is copied into compat-out/, never into this repository.
+# Rebuilds docs/compat/upstream-unit-tests.md; options through COMPAT_ARGS, e.g. COMPAT_ARGS="--collect-only" or
+# COMPAT_ARGS="--files test_z3_eager_fallback.py" (other rows keep their earlier, dated measurement).
+.PHONY: compat
+compat: venv clean-locks
+	@test -n "$(UPSTREAM)" || { echo "usage: make compat UPSTREAM=<path to a DeepSpeed checkout>"; exit 2; }
+	$(BIN)/python tools/upstream_compat.py --upstream "$(UPSTREAM)" $(COMPAT_ARGS)
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info .torch_extensions demo-out

@@ -6,6 +6,7 @@ registered as an external parameter of the module now running, so that from the
 next pass on that module's fetch covers it.
 """
 
+import sys
 from collections import OrderedDict
 
 import torch
@@ -54,10 +55,23 @@ class ZeROOrderedDict(OrderedDict):
             elif is_dynamo_guard_evaluation():
                 # A guard reads identity and metadata only; gathering would hold a full buffer for nothing.
                 fallback.record_guard_suppressed_param(param)
+                return param
             else:
                 param.all_gather()
                 fallback.record_gathered_param(param)
+            _announce_getter_gather(key, param)
         return param
+
+
+def _announce_getter_gather(key, param) -> None:
+    """Upstream's debug line for a gather in the getter, through ``parameter_offload.print_rank_0``.
+
+    Looked up on that module when called, so patching the name there has the effect it has upstream
+    ([Note: upstream's module names] in partitioned_param_coordinator.py).
+    """
+    offload = sys.modules.get("deepspeed_zero3.runtime.zero.parameter_offload")
+    if offload is not None:
+        offload.print_rank_0(f"Registering external parameter from getter {key} ds_id = {param.ds_id}", force=False)
 
 
 def warn_unmanaged(module, key, param) -> None:

@@ -22,6 +22,12 @@ What differs from upstream, in one place:
 * One coordinator per managed module tree, shared by every engine over it
   (``param_registry.py``).
 * Counters for tests and benchmarks (``stats.py``).
+* Every module-level name of upstream's module exists, the imported ones as
+  the same objects ([Note: upstream's module names]). Three belong to
+  upstream's trace bookkeeping: ``ZeRoTraceMode`` is there for callers of the
+  name (``is_record_trace()`` and friends answer the question), while
+  ``update_recompute_parameters`` and ``ENABLE_PROFILER = True`` raise
+  ``NotImplementedError`` saying what to use instead.
 """
 
 import enum
@@ -35,6 +41,33 @@ from torch.nn import Module, Parameter
 from deepspeed import comm as dist
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 from deepspeed.utils.logging import logger
+# [Note: upstream's module names]
+# Tests and client code import and patch module-level names of the two modules we replace (upstream's
+# eager-fallback tests patch parameter_offload.print_rank_0), so each of ours has every module-level name
+# upstream's has; tests/unit/test_module_api.py reads the list from upstream's files at test time.
+# * A name upstream imports is imported here too: the same object. That includes upstream's star import of
+#   partition_parameters, so the set follows the installed deepspeed version.
+# * A name upstream defines is ours and does the same thing. Where it is upstream's own bookkeeping, which our
+#   design replaces, it raises NotImplementedError naming what to use instead.
+# * Debug lines upstream prints through print_rank_0 go through the module's name at call time, so patching it
+#   has the effect it has upstream.
+import collections
+import logging
+from collections import UserDict
+from dataclasses import dataclass
+from enum import Enum
+from typing import Deque, Set
+
+import deepspeed.runtime.compiler as compiler
+from deepspeed.accelerator import get_accelerator
+from deepspeed.runtime.compiler import is_compiling
+from deepspeed.runtime.swap_tensor.partitioned_param_swapper import PartitionedParamStatus
+from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
+from deepspeed.runtime.zero.partition_parameters import *  # noqa: F401,F403
+from deepspeed.runtime.zero.partitioned_param_profiler import PartitionedParameterProfiler
+from deepspeed.utils import z3_leaf_module
+from deepspeed.utils.debug import debug_param2name_id_shape
+from deepspeed_zero3.runtime.zero.module_params import named_fetch_params
 
 from deepspeed_zero3.runtime.zero.gather import Gatherer, InflightParamRegistry, held_by_gathered_parameters
 from deepspeed_zero3.runtime.zero.keeping import BackwardKeeping
@@ -49,10 +82,6 @@ from deepspeed_zero3.runtime.zero.settings import PrefetchSettings
 from deepspeed_zero3.runtime.zero.stats import PassKind, ZeroStats, format_line, stats_every_from_env
 from deepspeed_zero3.runtime.zero.trace import PassProgress, PassTrace, StepOutcome, TraceCache
 
-__all__ = [
-    "PartitionedParameterCoordinator", "InflightParamRegistry", "iter_params", "PassPhase", "PassKind",
-    "CHECK_RANKS_ENV"
-]
 
 
 class PassPhase(enum.Enum):
@@ -85,6 +114,8 @@ class PartitionedParameterCoordinator:
         trace_cache_size: int = 8,
         data_parallel_group=None,
     ) -> None:
+        if ENABLE_PROFILER:
+            raise NotImplementedError(PROFILER_NOT_SUPPORTED)
         self.settings = PrefetchSettings.from_config_values(prefetch_bucket_sz, max_available_parameters_in_numel,
                                                             max_reuse_distance_in_numel)
         self.inflight = inflight_param_registry
@@ -549,3 +580,44 @@ class PartitionedParameterCoordinator:
             logger.warning(f"deepspeed-zero3: {message}")
         else:
             logger.debug(f"deepspeed-zero3: {message}")
+
+
+# ---------------------------------------------------------------- upstream's module-level helpers
+# ([Note: upstream's module names])
+
+# Upstream's switch for its PartitionedParameterProfiler (event timings). Ours has no such profiler.
+ENABLE_PROFILER = False
+PROFILER_NOT_SUPPORTED = (
+    "partitioned_param_coordinator.ENABLE_PROFILER=True asks for upstream's PartitionedParameterProfiler, which "
+    "deepspeed-zero3 does not have; read the per-pass counters with deepspeed_zero3.get_zero3_stats(engine) or "
+    "log them every N steps with DEEPSPEED_ZERO3_STATS_EVERY=N, or set DEEPSPEED_ZERO3=0 to run upstream's runtime")
+
+
+def debug_rank0(message: str) -> None:
+    if dist.get_rank() == 0:
+        logger.debug(message)
+
+
+def get_all_parameters(sub_module: Module, recurse: bool = False):
+    """``(name, parameter)`` pairs one fetch of ``sub_module`` covers: its own, then its external ones."""
+    return named_fetch_params(sub_module, recurse)
+
+
+class ZeRoTraceMode(Enum):
+    """Upstream's trace states. Ours keeps a trace per pass (trace.py); a coordinator answers
+    ``is_record_trace()``, ``is_complete_trace()`` and ``is_invalid_trace()`` for the pass running."""
+    RECORD = 1
+    COMPLETE = 2
+    INVALID = 3
+
+
+def update_recompute_parameters(sub_module: Module, param: Parameter) -> None:
+    """Upstream ties a frozen parameter gathered while a checkpoint recomputes to the backward module
+    running, for its release. Ours has no such tie to update (see the error)."""
+    raise NotImplementedError(
+        f"update_recompute_parameters({type(sub_module).__name__} ds_id={getattr(sub_module, 'ds_id', None)}, "
+        f"param ds_id={getattr(param, 'ds_id', None)}) is upstream's bookkeeping for parameters gathered while a "
+        f"checkpoint recomputes, which deepspeed-zero3 does not keep: release_sub_module() decides when a "
+        f"parameter fetched in a backward pass is released, and release_backward_leftovers() releases what is "
+        f"still gathered when the backward ends. Use PartitionedParameterCoordinator.fetch_sub_module() and "
+        f"release_sub_module(), or set DEEPSPEED_ZERO3=0 to run upstream's runtime.")
