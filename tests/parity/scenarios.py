@@ -37,6 +37,12 @@ import deepspeed.runtime.zero.partitioned_param_coordinator as partitioned_param
 from deepspeed_zero3.testing.engines import (batch, inference_engine, mse_loss, token_batch, train_step,
                                              training_engine, zero3_config)
 from deepspeed_zero3.testing.models import ResidualMLPBlock, TinyGPT, model_b
+from scenarios_compile import (compile_aot_eager_llama, compile_aot_eager_llama_default_buckets, compile_aot_eager_mlp,
+                               compile_aot_eager_mlp_default_buckets, compile_eager_llama,
+                               compile_eager_llama_default_buckets, compile_eager_mlp,
+                               compile_eager_mlp_default_buckets,
+                               compile_inductor_llama, compile_inductor_llama_default_buckets, compile_inductor_mlp,
+                               compile_inductor_mlp_default_buckets)
 
 STEPS = 5
 PREFETCH = dict(bucket=20_000, reuse=0)  # buckets small enough that Model B prefetches
@@ -400,6 +406,18 @@ SCENARIOS = {
         gathered_parameters_in_loop,
         checkpoint_round_trip,
         inference_only,
+        compile_eager_mlp,
+        compile_eager_mlp_default_buckets,
+        compile_aot_eager_mlp,
+        compile_aot_eager_mlp_default_buckets,
+        compile_inductor_mlp,
+        compile_inductor_mlp_default_buckets,
+        compile_eager_llama,
+        compile_eager_llama_default_buckets,
+        compile_aot_eager_llama,
+        compile_aot_eager_llama_default_buckets,
+        compile_inductor_llama,
+        compile_inductor_llama_default_buckets,
     ],
     4: [plain_mlp, uneven_world4],
 }

@@ -107,6 +107,9 @@ def test_parity(runs, world, name):
             assert ours[key] == theirs[key], key
     if "resumed_equals_continued" in theirs:
         assert theirs["resumed_equals_continued"] is True
+    if "graph_breaks" in theirs:  # the compile scenarios (scenarios_compile.py)
+        assert ours["graph_breaks"] <= theirs["graph_breaks"], (f"{ours['graph_breaks']} graph breaks here, "
+                                                                f"{theirs['graph_breaks']} upstream")
 
 
 @pytest.mark.parametrize("world", WORLDS)
