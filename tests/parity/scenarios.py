@@ -42,7 +42,7 @@ from scenarios_compile import (compile_aot_eager_llama, compile_aot_eager_llama_
                                compile_eager_llama_default_buckets, compile_eager_mlp,
                                compile_eager_mlp_default_buckets,
                                compile_inductor_llama, compile_inductor_llama_default_buckets, compile_inductor_mlp,
-                               compile_inductor_mlp_default_buckets)
+                               compile_inductor_mlp_default_buckets, deepcompile_eager_fallback)
 
 STEPS = 5
 PREFETCH = dict(bucket=20_000, reuse=0)  # buckets small enough that Model B prefetches
@@ -418,6 +418,7 @@ SCENARIOS = {
         compile_aot_eager_llama_default_buckets,
         compile_inductor_llama,
         compile_inductor_llama_default_buckets,
+        deepcompile_eager_fallback,
     ],
     4: [plain_mlp, uneven_world4],
 }

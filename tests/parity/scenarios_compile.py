@@ -96,3 +96,39 @@ compile_aot_eager_llama = scenario("llama", "aot_eager", False, 49)
 compile_aot_eager_llama_default_buckets = scenario("llama", "aot_eager", True, 50)
 compile_inductor_llama = scenario("llama", "inductor", False, 51)
 compile_inductor_llama_default_buckets = scenario("llama", "inductor", True, 52)
+
+
+def deepcompile_eager_fallback(run, args):
+    """DeepCompile's ZeRO-3 eager fallback, as its engine.compile() sets it up, without the compiled graph.
+
+    ``"compile": {"deepcompile": true}`` itself does not run on CPU under upstream: engine.compile() builds the
+    ``dc`` op, whose headers include ATen/cuda (``fatal error: cuda.h: No such file or directory``). What runs is the
+    path DeepCompile takes for what it leaves eager: module hooks removed (``_remove_module_hooks``), every
+    parameter read in the forward gathered by ``ZeROOrderedDict`` for the active fallback, kept until the backward
+    of that forward completes, then released by the fallback.
+    """
+    from deepspeed.compile.z3_eager_fallback import DeepCompileZ3EagerFallback
+    from deepspeed.runtime.utils import register_output_backward_hooks
+
+    torch.manual_seed(53)
+    model = model_b()
+    engine = run.engine(training_engine(model, zero3_config(**MLP_SMALL_BUCKET)))
+    engine.optimizer.parameter_offload._remove_module_hooks()
+    fallback = DeepCompileZ3EagerFallback(engine)
+    gathered, released = [], []
+    for step in range(STEPS):
+        with fallback.forward_context():
+            output = model(batch(step, torch.distributed.get_rank()))
+        loss = mse_loss(output)
+        graph = []
+        register_output_backward_hooks(loss, preprocess_once_fn=lambda: fallback.record_backward_start(graph[0]))
+        graph.append(fallback.record_forward_graph())
+        gathered.append(len(fallback.stats()["last_gathered_param_ids"]))
+        engine.backward(loss)
+        fallback.complete_backward()
+        released.append(len(fallback.stats()["last_released_param_ids"]))
+        engine.step()
+        run.loss(loss.item())
+    run.extra["fallback_gathered"] = gathered
+    run.extra["fallback_released"] = released
+    run.hash_params(model)
