@@ -75,7 +75,7 @@ test: test-unit test-parity test-distributed test-world4 test-integration
 test-unit: venv
 	$(BIN)/python -m pytest -q tests/unit
 
-test-parity: venv clean-locks
+test-parity: venv venv-int clean-locks
 	$(BIN)/python -m pytest -q tests/parity
 
 test-distributed: venv clean-locks

@@ -39,6 +39,12 @@ from deepspeed_zero3.testing.engines import (batch, inference_engine, mse_loss, 
 from deepspeed_zero3.testing.models import ResidualMLPBlock, TinyGPT, model_b
 from scenarios_firstpass import capped_default_reuse
 from scenarios_nvme import nvme_param_offload
+from scenarios_compile import (compile_aot_eager_llama, compile_aot_eager_llama_default_buckets, compile_aot_eager_mlp,
+                               compile_aot_eager_mlp_default_buckets, compile_eager_llama,
+                               compile_eager_llama_default_buckets, compile_eager_mlp,
+                               compile_eager_mlp_default_buckets,
+                               compile_inductor_llama, compile_inductor_llama_default_buckets, compile_inductor_mlp,
+                               compile_inductor_mlp_default_buckets, deepcompile_eager_fallback)
 
 STEPS = 5
 PREFETCH = dict(bucket=20_000, reuse=0)  # buckets small enough that Model B prefetches
@@ -406,6 +412,19 @@ SCENARIOS = {
         inference_only,
         capped_default_reuse,
         nvme_param_offload,
+        compile_eager_mlp,
+        compile_eager_mlp_default_buckets,
+        compile_aot_eager_mlp,
+        compile_aot_eager_mlp_default_buckets,
+        compile_inductor_mlp,
+        compile_inductor_mlp_default_buckets,
+        compile_eager_llama,
+        compile_eager_llama_default_buckets,
+        compile_aot_eager_llama,
+        compile_aot_eager_llama_default_buckets,
+        compile_inductor_llama,
+        compile_inductor_llama_default_buckets,
+        deepcompile_eager_fallback,
     ],
     4: [plain_mlp, uneven_world4],
 }

@@ -104,11 +104,15 @@ def test_parity(runs, world, name):
         for rank, (a, b) in enumerate(zip(ours["losses_by_rank"], theirs["losses_by_rank"])) if a != b)
     assert ours["losses"] == theirs["losses"]
     assert ours["params_sha256"] == theirs["params_sha256"], "final parameters differ (losses equal)"
-    for key in ("continued_params_sha256", "losses_continued", "losses_resumed", "resumed_equals_continued", "tied"):
+    for key in ("continued_params_sha256", "losses_continued", "losses_resumed", "resumed_equals_continued", "tied",
+                "fallback_gathered", "fallback_released"):
         if key in theirs:
             assert ours[key] == theirs[key], key
     if "resumed_equals_continued" in theirs:
         assert theirs["resumed_equals_continued"] is True
+    if "graph_breaks" in theirs:  # the compile scenarios (scenarios_compile.py)
+        assert ours["graph_breaks"] <= theirs["graph_breaks"], (f"{ours['graph_breaks']} graph breaks here, "
+                                                                f"{theirs['graph_breaks']} upstream")
 
 
 def test_nvme_partitions_are_read_ahead_of_use(runs):

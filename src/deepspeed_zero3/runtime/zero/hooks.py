@@ -7,7 +7,8 @@ Per module, four hooks (the same points upstream hooks):
 and the input wrapping makes the last input gradient release them (post-backward).
 Per root module, two more mark where a forward pass begins and ends.
 
-Nothing here reads ``nn.Module.training``.
+Nothing here reads ``nn.Module.training``. Every hook and backward callback is ``eager_only``
+([Note: what Dynamo may trace] in ``eager.py``).
 """
 
 import sys
@@ -20,6 +21,7 @@ from torch.utils.hooks import RemovableHandle
 from deepspeed.runtime.zero.partition_parameters import register_external_parameter, unregister_external_parameter
 from deepspeed.runtime.zero.utils import apply_to_tensors_only, is_zero_param
 
+from deepspeed_zero3.runtime.zero.eager import eager_only
 from deepspeed_zero3.runtime.zero.ordered_dict import FWD_MODULE_STACK
 
 
@@ -57,19 +59,15 @@ class HookRouter:
 
     def __init__(self, coordinator):
         self.coordinator = coordinator
-        # Hooks that must not be traced by torch.compile. Wrapped here, at engine creation, not at import:
-        # torch.compiler.disable imports torch._dynamo, seconds of start-up for processes that never need it.
-        self.pre_forward_hook = torch.compiler.disable(self._pre_forward)
-        self.wrap_inputs_hook = torch.compiler.disable(self._wrap_inputs)
 
     # ---------------------------------------------------------------- installation
 
     def install_module_hooks(self, module: Module) -> List[RemovableHandle]:
         return [
-            module.register_forward_pre_hook(self.pre_forward_hook),
+            module.register_forward_pre_hook(self._pre_forward),
             module.register_forward_hook(self._post_forward, always_call=True),
             module.register_forward_hook(self._wrap_outputs),
-            module.register_forward_pre_hook(self.wrap_inputs_hook),
+            module.register_forward_pre_hook(self._wrap_inputs),
         ]
 
     def install_root_hooks(self, root: Module) -> List[RemovableHandle]:
@@ -80,19 +78,23 @@ class HookRouter:
 
     # ---------------------------------------------------------------- pass boundaries
 
+    @eager_only
     def _enter_root(self, module, args):
         self.coordinator.enter_root_forward()
 
+    @eager_only
     def _exit_root(self, module, args, output):
         # always_call hooks also run when the forward raised; then an exception is being handled.
         self.coordinator.exit_root_forward(aborted=sys.exc_info()[0] is not None)
 
     # ---------------------------------------------------------------- forward
 
+    @eager_only
     def _pre_forward(self, module, args):
         FWD_MODULE_STACK.append(module)
         self.coordinator.fetch_sub_module(module, forward=True)
 
+    @eager_only
     def _post_forward(self, module, args, output):
         if FWD_MODULE_STACK and FWD_MODULE_STACK[-1] is module:
             FWD_MODULE_STACK.pop()
@@ -118,6 +120,7 @@ class HookRouter:
 
     # ---------------------------------------------------------------- backward
 
+    @eager_only
     def _wrap_inputs(self, module, args):
         if not torch.is_grad_enabled():
             return None
@@ -131,6 +134,7 @@ class HookRouter:
         self.coordinator.begin_module_grad_count(module)
         return apply_to_tensors_only(wrap, args, warning_msg_fn=_unexpected_type_warning)
 
+    @eager_only
     def _wrap_outputs(self, module, args, output):
         if not torch.is_grad_enabled():
             return None
@@ -142,9 +146,11 @@ class HookRouter:
 
         return apply_to_tensors_only(wrap, output, warning_msg_fn=_unexpected_type_warning)
 
+    @eager_only
     def pre_backward(self, module):
         self.coordinator.fetch_sub_module(module, forward=False)
 
+    @eager_only
     def input_grad_done(self, module):
         if self.coordinator.input_grad_arrived(module):
             self.coordinator.release_sub_module(module, forward=False)

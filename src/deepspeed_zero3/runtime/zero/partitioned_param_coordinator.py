@@ -69,6 +69,7 @@ from deepspeed.utils import z3_leaf_module
 from deepspeed.utils.debug import debug_param2name_id_shape
 from deepspeed_zero3.runtime.zero.module_params import named_fetch_params
 
+from deepspeed_zero3.runtime.zero.eager import eager_only
 from deepspeed_zero3.runtime.zero.gather import Gatherer, InflightParamRegistry, held_by_gathered_parameters
 from deepspeed_zero3.runtime.zero.keeping import BackwardKeeping
 from deepspeed_zero3.runtime.zero.module_params import fetch_params, iter_params
@@ -342,6 +343,7 @@ class PartitionedParameterCoordinator:
 
     # ------------------------------------------------------------------ fetch and release
 
+    @eager_only  # [Note: what Dynamo may trace]
     @torch.no_grad()
     def fetch_sub_module(self, current_submodule: Module, forward: bool) -> None:
         """Make the parameters of ``current_submodule`` available, then prefetch ahead in this pass."""
@@ -442,6 +444,7 @@ class PartitionedParameterCoordinator:
                     self.live[param] = None
                     self.stats.on_live_change(param.ds_numel)
 
+    @eager_only  # [Note: what Dynamo may trace]
     @torch.no_grad()
     def release_sub_module(self, submodule: Module, forward: bool = False) -> None:
         """Release what ``submodule`` used, unless it is in use, claimed ahead, or reused soon."""
@@ -539,12 +542,14 @@ class PartitionedParameterCoordinator:
 
     # ------------------------------------------------------------------ upstream entry points
 
+    @eager_only  # [Note: what Dynamo may trace]
     def reset_step(self, abandoning: bool = False) -> None:
         """End whatever pass is running and release everything gathered (upstream's end-of-step call)."""
         with self.lock:
             self._end_open_pass(abandoning)
             self.root_depth = 0
 
+    @eager_only  # [Note: what Dynamo may trace]
     @torch.no_grad()
     def release_backward_leftovers(self) -> None:
         """End of ``engine.backward()``: close the backward pass; release what post-backward hooks never did."""
@@ -556,6 +561,7 @@ class PartitionedParameterCoordinator:
                 self.release_sub_module(submodule, forward=False)
             self.active_backward.clear()
 
+    @eager_only  # [Note: what Dynamo may trace]
     @torch.no_grad()
     def release_and_reset_all(self, module: Module) -> None:
         """Release every parameter of ``module``, persistent ones included (stage 3 calls this at step())."""

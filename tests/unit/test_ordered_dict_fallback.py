@@ -1,0 +1,79 @@
+"""ZeROOrderedDict under DeepCompile's ZeRO-3 eager fallback, and while Dynamo compiles.
+
+DeepCompile itself does not run on CPU (its ``dc`` op includes ATen/cuda headers); the parity scenario
+``deepcompile_eager_fallback`` runs the fallback over real engines. These are its branches one by one, on a
+stand-in parameter whose gather is counted.
+"""
+
+import pytest
+import torch
+from torch import nn
+
+from deepspeed.compile import z3_eager_fallback
+from deepspeed.compile.z3_eager_fallback import DeepCompileZ3EagerFallback
+from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+from deepspeed_zero3.runtime.zero.ordered_dict import FWD_MODULE_STACK, ZeROOrderedDict
+
+
+def partitioned_module(ds_id=5):
+    module = nn.Module()
+    param = nn.Parameter(torch.empty(0))
+    param.ds_id = ds_id
+    param.ds_status = ZeroParamStatus.NOT_AVAILABLE
+    param.gathers = 0
+
+    def all_gather():
+        param.gathers += 1
+        param.ds_status = ZeroParamStatus.AVAILABLE
+
+    param.all_gather = all_gather
+    params = ZeROOrderedDict(parent_module=module)
+    params["weight"] = param
+    params._in_forward = True
+    module._parameters = params
+    return module, param
+
+
+@pytest.fixture
+def fallback(monkeypatch):
+    active = DeepCompileZ3EagerFallback(engine=None)
+    monkeypatch.setattr(z3_eager_fallback, "_ACTIVE_FALLBACK", active)
+    return active
+
+
+def test_read_in_forward_gathers_for_the_fallback(fallback, monkeypatch):
+    monkeypatch.setattr(z3_eager_fallback, "is_dynamo_guard_evaluation", lambda: False)
+    module, param = partitioned_module()
+    depth = len(FWD_MODULE_STACK)
+    assert module._parameters["weight"] is param
+    assert param.gathers == 1 and param.ds_status == ZeroParamStatus.AVAILABLE
+    assert fallback.stats()["last_gathered_param_ids"] == [5]
+    # The fallback owns the gather: nothing is registered as an external parameter of a running module.
+    assert len(FWD_MODULE_STACK) == depth and not getattr(module, "_external_params", {})
+    # A second read of the gathered parameter only marks it used by this forward.
+    assert module._parameters["weight"] is param
+    assert param.gathers == 1 and fallback.stats()["current_forward_param_ids"] == [5]
+
+
+def test_guard_evaluation_reads_without_gathering(fallback, monkeypatch):
+    monkeypatch.setattr(z3_eager_fallback, "is_dynamo_guard_evaluation", lambda: True)
+    module, param = partitioned_module(ds_id=9)
+    assert module._parameters["weight"] is param
+    assert param.gathers == 0 and param.ds_status == ZeroParamStatus.NOT_AVAILABLE
+    assert fallback.stats()["last_guard_suppressed_param_ids"] == [9]
+
+
+def test_while_compiling_the_parameter_is_returned_untouched(fallback, monkeypatch):
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    module, param = partitioned_module()
+    del param.ds_status  # no ZeRO state is read while Dynamo traces
+    assert module._parameters["weight"] is param
+    assert param.gathers == 0
+
+
+def test_outside_forward_nothing_is_gathered(fallback):
+    module, param = partitioned_module()
+    module._parameters._in_forward = False
+    assert module._parameters["weight"] is param
+    assert param.gathers == 0 and fallback.stats()["last_gathered_param_ids"] == []
