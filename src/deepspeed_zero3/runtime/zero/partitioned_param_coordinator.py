@@ -24,7 +24,7 @@ What differs from upstream, in one place:
 import enum
 import os
 import threading
-from typing import Dict, Iterable, Optional
+from typing import Dict, Iterable, Optional, Sequence, Tuple
 
 import torch
 from torch.nn import Module, Parameter
@@ -108,6 +108,9 @@ class PartitionedParameterCoordinator:
         self.reuse_kept: Dict[Parameter, None] = {}
         # Modules fetched in this backward whose post-backward hook has not fired yet.
         self.active_backward: Dict[int, Module] = {}
+        # Module ds_id -> (trace, step) its last fetch in this pass read its parameters from, so that its
+        # release reads them there too ([Note: cached parameter lists] in module_params.py).
+        self.fetched_from: Dict[int, Tuple[PassTrace, int]] = {}
         self.root_depth = 0
         self.stats_every = stats_every_from_env(os.environ)
         self.check_ranks = check_ranks_from_env(os.environ)
@@ -279,6 +282,7 @@ class PartitionedParameterCoordinator:
         self.stats.end_pass(aborted=aborted)
         self.phase = PassPhase.IDLE
         self.progress = None
+        self.fetched_from.clear()
 
     def _make_prefetcher(self, role: str, trace: Optional[PassTrace]) -> Optional[PassPrefetcher]:
         if trace is None or self.settings.bucket_numel == 0:
@@ -316,7 +320,7 @@ class PartitionedParameterCoordinator:
             if self.check_ranks:
                 kind = self.progress.kind if self.progress is not None else PassKind.FORWARD
                 check_same_module_on_all_ranks(kind, step, current_submodule, self.order_check.group)
-            params = fetch_params(current_submodule)
+            params = self._params_to_fetch(current_submodule, step)
             if self.phase is PassPhase.BACKWARD:
                 self.active_backward[current_submodule.ds_id] = current_submodule
             for param in params:
@@ -329,6 +333,26 @@ class PartitionedParameterCoordinator:
                                        f"of module {type(current_submodule).__name__} ds_id={current_submodule.ds_id} "
                                        f"is {param.ds_status.name} after its fetch at step {step}; expected AVAILABLE")
             self._prefetch(step)
+
+    def _params_to_fetch(self, module: Module, step: int) -> Sequence[Parameter]:
+        """``fetch_params(module)``, from the replayed trace when it holds them ([Note: cached parameter lists])."""
+        progress = self.progress
+        if progress is not None and progress.trace is not None:
+            params = progress.trace.params_at(step, module)
+            if params is not None:
+                self.fetched_from[module.ds_id] = (progress.trace, step)
+                return params
+        self.fetched_from.pop(module.ds_id, None)
+        return fetch_params(module)
+
+    def _params_to_release(self, module: Module) -> Sequence[Parameter]:
+        """What ``module``'s fetch covered: ``fetch_params(module, strict=False)``, from the trace when it can be."""
+        source = self.fetched_from.get(module.ds_id)
+        if source is not None:
+            params = source[0].params_at(source[1], module)
+            if params is not None:
+                return params
+        return fetch_params(module, strict=False)
 
     def _observe(self, module: Module) -> int:
         outcome = self.progress.observe(module)
@@ -384,7 +408,7 @@ class PartitionedParameterCoordinator:
                 return
             step = self.progress.step if self.progress is not None else -1
             prefetcher = self.current_prefetcher()
-            for param in fetch_params(submodule, strict=False):
+            for param in self._params_to_release(submodule):
                 param.ds_active_sub_modules.discard(submodule.ds_id)
                 if (param.ds_persist or param.is_external_param or param.ds_active_sub_modules
                         or held_by_gathered_parameters(param)):
