@@ -36,6 +36,7 @@ from deepspeed.utils.logging import logger
 from deepspeed_zero3.runtime.zero.gather import Gatherer, InflightParamRegistry, held_by_gathered_parameters
 from deepspeed_zero3.runtime.zero.module_params import fetch_params, iter_params
 from deepspeed_zero3.runtime.zero.prefetch import PassPrefetcher
+from deepspeed_zero3.runtime.zero.profiling import module_range, pass_range
 from deepspeed_zero3.runtime.zero.rank_agreement import (CHECK_RANKS_ENV, PassOrderCheck, check_ranks_from_env,
                                                          check_same_module_on_all_ranks)
 from deepspeed_zero3.runtime.zero.settings import PrefetchSettings
@@ -55,6 +56,10 @@ class PassPhase(enum.Enum):
     IDLE = "idle"
     FORWARD = "forward"
     BACKWARD = "backward"
+
+
+def _is_persistent(param: Parameter) -> bool:
+    return param.ds_persist
 
 
 def in_autograd_engine() -> bool:
@@ -311,7 +316,8 @@ class PartitionedParameterCoordinator:
     @torch.no_grad()
     def fetch_sub_module(self, current_submodule: Module, forward: bool) -> None:
         """Make the parameters of ``current_submodule`` available, then prefetch ahead in this pass."""
-        with self.lock:
+        # [Note: profiler ranges]
+        with self.lock, module_range("fetch", current_submodule, " forward" if forward else " backward"):
             if (not forward or in_autograd_engine()) and self.phase is PassPhase.IDLE:
                 self.begin_backward_pass()
             step = -1
@@ -326,13 +332,14 @@ class PartitionedParameterCoordinator:
             for param in params:
                 param.ds_active_sub_modules.add(current_submodule.ds_id)
             self._gather(params, prefetch=False)
-            self.gatherer.wait(params)
+            with module_range("wait", current_submodule):
+                self.gatherer.wait(params)
             for param in params:
                 if param.ds_status != ZeroParamStatus.AVAILABLE:
                     raise RuntimeError(f"deepspeed-zero3: parameter ds_id={param.ds_id} shape={tuple(param.ds_shape)} "
                                        f"of module {type(current_submodule).__name__} ds_id={current_submodule.ds_id} "
                                        f"is {param.ds_status.name} after its fetch at step {step}; expected AVAILABLE")
-            self._prefetch(step)
+            self._prefetch(step, current_submodule)
 
     def _params_to_fetch(self, module: Module, step: int) -> Sequence[Parameter]:
         """``fetch_params(module)``, from the replayed trace when it holds them ([Note: cached parameter lists])."""
@@ -380,14 +387,17 @@ class PartitionedParameterCoordinator:
         elif self.phase is PassPhase.BACKWARD:
             self.backward_prefetcher = prefetcher
 
-    def _prefetch(self, step: int) -> None:
+    def _prefetch(self, step: int, module: Optional[Module] = None) -> None:
+        """Issue the gathers the prefetcher plans now; ``module`` (None when priming a pass) names the range."""
         prefetcher = self.current_prefetcher()
         if prefetcher is None:
             return
         prefetcher.reached(step)
-        wanted = prefetcher.plan(self.live_numel, self.settings.max_live_numel, is_persistent=lambda p: p.ds_persist)
+        wanted = prefetcher.plan(self.live_numel, self.settings.max_live_numel, is_persistent=_is_persistent)
         if wanted:
-            self._gather(wanted, prefetch=True)
+            with (module_range("prefetch", module, params=wanted)
+                  if module is not None else pass_range("prefetch", " " + prefetcher.role + " start", wanted)):
+                self._gather(wanted, prefetch=True)
 
     def _gather(self, params: Iterable[Parameter], prefetch: bool) -> None:
         for group in self.gatherer.submit(params):
@@ -400,7 +410,7 @@ class PartitionedParameterCoordinator:
     @torch.no_grad()
     def release_sub_module(self, submodule: Module, forward: bool = False) -> None:
         """Release what ``submodule`` used, unless it is in use, claimed ahead, or reused soon."""
-        with self.lock:
+        with self.lock, module_range("release", submodule, " forward" if forward else " backward"):
             if forward and self.phase is PassPhase.BACKWARD and submodule.ds_id in self.active_backward:
                 # A non-reentrant checkpoint recomputes this module's forward inside its own backward (and
                 # torch's early stop raises out of it, which always_call forward hooks see): the backward has
