@@ -45,6 +45,8 @@ def test_registry_is_a_checked_dict():
         with pytest.raises(RuntimeError, match="only an in-flight parameter can be registered, got ds_id=3 "
                            "with status AVAILABLE"):
             add(registry, gatherable(3, status=AVAILABLE))
+    with pytest.raises(RuntimeError, match="got ds_id=4 with status AVAILABLE"):
+        InflightParamRegistry({gatherable(4, status=AVAILABLE): "h"})
     assert list(registry) == [param]
     copy = registry.copy()
     assert isinstance(copy, InflightParamRegistry) and copy == {param: "h"}

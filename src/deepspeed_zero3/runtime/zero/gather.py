@@ -31,6 +31,10 @@ class InflightParamRegistry(dict):
     upstream's ``UserDict``.
     """
 
+    def __init__(self, *args, **kwargs):
+        super().__init__()
+        self.update(*args, **kwargs)
+
     def __setitem__(self, param: Parameter, handle) -> None:
         if param in self:
             raise RuntimeError(f"parameter ds_id={param.ds_id} shape={tuple(param.ds_shape)} is already in flight")
