@@ -5,7 +5,7 @@
 
 No launcher and no other rank to wait for: what is left is host work (bookkeeping, upstream's partition
 and gather calls). Builds the ``tiny_modules`` model of the benchmark, runs 3 warm-up training steps,
-times ``fetch_sub_module`` and ``release_sub_module`` over 3 more, and with ``--profile`` prints a cProfile
+times ``fetch_sub_module`` and ``release_sub_module`` over 3 more (wall and this thread's CPU time), and with ``--profile`` prints a cProfile
 of 2 further steps (sorted by ``--sort``). Run it under the heavy lock like any benchmark.
 """
 
@@ -48,18 +48,19 @@ def main(argv=None) -> int:
     for i in range(3):
         step(i)
     cls = coordinator_module.PartitionedParameterCoordinator
-    spent = {"seconds": 0.0, "fetches": 0}
+    spent = {"seconds": 0.0, "cpu_seconds": 0.0, "fetches": 0}
     saved = []
     for name in ("fetch_sub_module", "release_sub_module"):
         original = getattr(cls, name)
         saved.append((name, original))
 
         def timed(*a, _original=original, _name=name, **k):
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.thread_time()
             try:
                 return _original(*a, **k)
             finally:
                 spent["seconds"] += time.perf_counter() - start
+                spent["cpu_seconds"] += time.thread_time() - cpu_start
                 spent["fetches"] += _name == "fetch_sub_module"
 
         setattr(cls, name, timed)
@@ -68,8 +69,9 @@ def main(argv=None) -> int:
     for name, original in saved:
         setattr(cls, name, original)
     runtime = "ours" if "deepspeed_zero3" in coordinator_module.__file__ else "upstream"
-    print(f"{runtime}: {1e6 * spent['seconds'] / spent['fetches']:.1f} us per module fetch + release "
-          f"(world 1, reuse {args.reuse}, {spent['fetches']} fetches)")
+    print(f"{runtime}: {1e6 * spent['seconds'] / spent['fetches']:.1f} us per module fetch + release, "
+          f"{1e6 * spent['cpu_seconds'] / spent['fetches']:.1f} us of it CPU (world 1, reuse {args.reuse}, "
+          f"{spent['fetches']} fetches)")
     if args.profile:
         profile = cProfile.Profile()
         profile.enable()
