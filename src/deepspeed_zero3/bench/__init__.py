@@ -19,6 +19,7 @@ SCENARIOS = (
     "training_branch",
     "frozen_bottom",
     "generation",
+    "tiny_modules",
     "validate_fit",
 )
 

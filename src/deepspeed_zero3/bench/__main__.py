@@ -53,6 +53,9 @@ def parse_args(argv=None):
                         "{0, default}; writes frontier.md and frontier.png (bench/frontier.py)")
     parser.add_argument("--no-run", action="store_true",
                         help="launch nothing: redo the tables and plots from the raw JSON already in --out")
+    parser.add_argument("--planner", action="store_true",
+                        help="launch nothing: time the prefetch planner per fetch at windows of 2..500 parameters, "
+                        "in this process (writes <out>/planner.json)")
     args = parser.parse_args(argv)
     if args.frontier:
         from deepspeed_zero3.bench.frontier import FRONTIER_SCENARIOS
@@ -69,7 +72,7 @@ def parse_args(argv=None):
     if args.steps < 1 or args.warmup < 0 or args.world < 1:
         parser.error("--steps must be >= 1, --warmup >= 0, --world >= 1")
     args.scenarios = [s for s in known if s in wanted]  # canonical order: validate_fit last
-    if not args.no_run:
+    if not args.no_run and not args.planner:
         check_world_fits(parser, args.world, accelerator())
     return args
 
@@ -239,6 +242,9 @@ def main(argv=None):
     args = parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.planner:
+        from deepspeed_zero3.bench import planner
+        return planner.main(["--out", str(out / "planner.json")])
     started = time.time()
     previous = read_json(out / "results.json") if args.no_run else None
 

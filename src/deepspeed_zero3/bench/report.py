@@ -10,6 +10,9 @@ Every number is taken over the measured (steady-state) cycles of a scenario, the
   JSON counts from the second cycle on, warm-up included);
 * step time: median wall time of a measured cycle (between barriers), and the median CPU time rank 0's
   process spent in one (on a shared machine other load stretches the wall time, much less the CPU time).
+* host time per module: time rank 0 spent inside the coordinator's ``fetch_sub_module`` and
+  ``release_sub_module`` over the measured cycles, divided by the number of fetches (one fetch and one
+  release per module run): wall time and the thread's CPU time.
 
 A scenario that crashed keeps the cycles it completed; with none measured its numbers are missing ("-").
 """
@@ -31,6 +34,8 @@ ROWS = (
     ("trace_records", "trace re-records (measured cycles)", "int"),
     ("step_ms", "median step time, ms", "ms"),
     ("step_cpu_ms", "median step CPU time, rank 0, ms", "ms"),
+    ("host_us_per_module", "host time per module fetch + release, us", "us"),
+    ("host_cpu_us_per_module", "host CPU time per module fetch + release, us", "us"),
     ("status", "status", "status"),
 )
 
@@ -61,6 +66,11 @@ def summarize_scenario(record: Optional[dict]) -> dict:
     summary["trace_records"] = sum(c["trace_records"] for c in measured)
     summary["step_ms"] = 1000.0 * statistics.median(c["seconds"] for c in measured)
     summary["step_cpu_ms"] = 1000.0 * statistics.median(c.get("cpu_seconds", 0.0) for c in measured)
+    fetches = sum((c.get("host") or {}).get("fetch_calls", 0) for c in measured)
+    if fetches:
+        summary["host_fetches_per_cycle"] = fetches / len(measured)
+        for key, field in (("host_us_per_module", "seconds"), ("host_cpu_us_per_module", "cpu_seconds")):
+            summary[key] = 1e6 * sum(c["host"][field] for c in measured) / fetches
     return summary
 
 
@@ -95,7 +105,7 @@ def _cell(value, kind: str) -> str:
         return f"{value:.2f}x"
     if kind == "int":
         return f"{value:,.0f}" if float(value).is_integer() else f"{value:,.1f}"
-    if kind == "ms":
+    if kind in ("ms", "us"):
         return f"{value:.1f}"
     return str(value)
 

@@ -13,11 +13,15 @@ from typing import Callable, List, Optional
 
 import torch
 
+from deepspeed_zero3.testing.engines import batch, mse_loss, training_engine, zero3_config
 from deepspeed_zero3.testing.models import TinyGPT, Wrapper, model_a, model_b
 
 GENERATION_STEPS = 16  # no-grad forwards per generation cycle
 PROMPT = (4, 4)  # batch, prompt length (it grows to 4 + 16 tokens)
 VALIDATE_FIT_TRAIN_STEPS = 3
+TINY_MODULES = 2000  # Linear(TINY_WIDTH, TINY_WIDTH) each
+TINY_WIDTH = 8
+DEEPSPEED_DEFAULT_BUCKET = 50_000_000  # DeepSpeed's own stage3_prefetch_bucket_size default
 
 
 @dataclass
@@ -153,8 +157,30 @@ def validate_fit(bench) -> Plan:
     return plan
 
 
+def tiny_modules(bench) -> Plan:
+    """2,000 ``Linear(8, 8)`` in a row with DeepSpeed's default prefetch bucket: one gather covers the model,
+    so a step is almost all host work per module fetch and release (the row "host time per module")."""
+    torch.manual_seed(8)
+    model = torch.nn.Sequential(*(torch.nn.Linear(TINY_WIDTH, TINY_WIDTH) for _ in range(TINY_MODULES)))
+    engine = training_engine(model, zero3_config(bucket=DEEPSPEED_DEFAULT_BUCKET, reuse=bench.args.reuse))
+
+    def cycle(i):
+        x = batch(i, bench.rank, shape=(4, TINY_WIDTH)).to(bench.device)
+        with bench.phase("forward"):
+            loss = mse_loss(engine(x))
+        with bench.phase("backward"):
+            engine.backward(loss)
+        with bench.phase("step"):
+            engine.step()
+
+    # 8,000 fetches a cycle, each averaged: a few cycles are enough, and the meter's per-fetch walk over the
+    # model's 4,000 parameters makes every cycle long (seconds), so this scenario runs fewer than the flags say.
+    return Plan(model, cycle, f"{TINY_MODULES} x Linear({TINY_WIDTH}, {TINY_WIDTH}), bucket {DEEPSPEED_DEFAULT_BUCKET:,}",
+                [engine], warmup=min(bench.args.warmup, 1), measured=min(bench.args.steps, 3))
+
+
 SCENARIO_FUNCTIONS = {
     f.__name__: f
-    for f in (steady_training, train_eval, training_branch, frozen_bottom, generation, validate_fit)
+    for f in (steady_training, train_eval, training_branch, frozen_bottom, generation, tiny_modules, validate_fit)
 }
 

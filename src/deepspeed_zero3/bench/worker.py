@@ -107,6 +107,62 @@ class TraceRecordCounter:
         return 0 if stats is None else sum(t["trace_records"] for t in stats["totals"].values())
 
 
+class HostTimer:
+    """Time spent inside the coordinator's ``fetch_sub_module`` and ``release_sub_module``, both runtimes.
+
+    Installed before the ``GatherMeter`` so that it wraps the coordinator's methods directly and the
+    meter's own per-fetch bookkeeping is not counted. Wall time (``perf_counter``) and this thread's CPU
+    time (``thread_time``: the hooks run on the thread that runs the pass).
+    """
+
+    METHODS = ("fetch_sub_module", "release_sub_module")
+
+    def __init__(self):
+        self._saved = []
+        self.reset()
+
+    def reset(self):
+        self.calls = {name: 0 for name in self.METHODS}
+        self.seconds = 0.0
+        self.cpu_seconds = 0.0
+        self.depth = 0
+
+    def __enter__(self):
+        cls = coordinator_module.PartitionedParameterCoordinator
+        for name in self.METHODS:
+            original = getattr(cls, name)
+            self._saved.append((cls, name, original))
+            setattr(cls, name, self._timed(name, original))
+        return self
+
+    def __exit__(self, *exc):
+        while self._saved:
+            cls, name, original = self._saved.pop()
+            setattr(cls, name, original)
+
+    def _timed(self, name, original):
+        timer = self
+
+        def timed(*args, **kwargs):
+            timer.calls[name] += 1
+            if timer.depth:  # called from inside a timed call: already counted
+                return original(*args, **kwargs)
+            timer.depth += 1
+            start, cpu_start = time.perf_counter(), time.thread_time()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                timer.seconds += time.perf_counter() - start
+                timer.cpu_seconds += time.thread_time() - cpu_start
+                timer.depth -= 1
+
+        return timed
+
+    def snapshot(self) -> dict:
+        return {"fetch_calls": self.calls["fetch_sub_module"], "release_calls": self.calls["release_sub_module"],
+                "seconds": self.seconds, "cpu_seconds": self.cpu_seconds}
+
+
 class Bench:
     """What a scenario uses: the config, engines, and the phase markers the instrument reads."""
 
@@ -161,10 +217,11 @@ def run_scenario(name: str, bench: Bench, runtime: str) -> dict:
         measured = bench.args.steps if plan.measured is None else plan.measured
         record.update(label=plan.label, numel=count_params(plan.model), warmup=warmup, measured=measured)
         meter = GatherMeter(plan.model, keep_timeline=True)
-        with meter, TraceRecordCounter(runtime, plan.model) as records:
+        with HostTimer() as host, meter, TraceRecordCounter(runtime, plan.model) as records:
             bench.meter = meter
             for index in range(warmup + measured):
                 meter.reset()
+                host.reset()
                 bench.passes.clear()
                 records_before = records.count()
                 bench.sync()
@@ -183,6 +240,7 @@ def run_scenario(name: str, bench: Bench, runtime: str) -> dict:
                     "phases": phases,
                     "passes": dict(bench.passes),
                     "trace_records": records.count() - records_before,
+                    "host": host.snapshot(),
                 })
             if runtime == "ours":
                 stats = records.ours_stats()

@@ -22,16 +22,48 @@ from deepspeed.runtime.zero.partition_parameters import DS_Z3_GATHERED_PARAM_CON
 MAX_QUEUED_FETCH_EVENTS = 2
 
 
-class InflightParamRegistry(collections.UserDict):
-    """Parameter -> all-gather handle, for parameters whose gather was issued and not yet waited on."""
+class InflightParamRegistry(dict):
+    """Parameter -> all-gather handle, for parameters whose gather was issued and not yet waited on.
+
+    A ``dict`` (upstream's is a ``UserDict``): lookups and ``pop(param, None)`` run once per parameter on every
+    fetch and release, and ``UserDict.pop`` of a missing key raises and catches a ``KeyError`` inside. Every
+    way of adding an entry goes through ``__setitem__``'s checks; ``data`` is kept for code written against
+    upstream's ``UserDict``.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__()
+        self.update(*args, **kwargs)
 
     def __setitem__(self, param: Parameter, handle) -> None:
-        if param in self.data:
+        if param in self:
             raise RuntimeError(f"parameter ds_id={param.ds_id} shape={tuple(param.ds_shape)} is already in flight")
         if param.ds_status != ZeroParamStatus.INFLIGHT:
             raise RuntimeError(f"only an in-flight parameter can be registered, got ds_id={param.ds_id} "
                                f"with status {param.ds_status.name}")
-        self.data[param] = handle
+        super().__setitem__(param, handle)
+
+    def update(self, *args, **kwargs) -> None:
+        for param, handle in dict(*args, **kwargs).items():
+            self[param] = handle
+
+    def __ior__(self, other):
+        self.update(other)
+        return self
+
+    def setdefault(self, param: Parameter, handle=None):
+        if param not in self:
+            self[param] = handle
+        return super().__getitem__(param)
+
+    def copy(self) -> "InflightParamRegistry":
+        duplicate = InflightParamRegistry()
+        dict.update(duplicate, self)
+        return duplicate
+
+    @property
+    def data(self) -> dict:
+        return self
 
 
 class Gatherer:
@@ -44,22 +76,28 @@ class Gatherer:
         self.queued_events: Deque = collections.deque()
 
     def submit(self, params: Iterable[Parameter]) -> List[List[Parameter]]:
-        """Start gathering every NOT_AVAILABLE parameter of ``params``; returns the groups, one per collective."""
+        """Start gathering every NOT_AVAILABLE parameter of ``params``; returns the groups, one per collective.
+
+        Groups, in this order: quantized with a secondary partition, quantized without, plain with, plain
+        without; within a group, the order of ``params``.
+        """
         pending = [p for p in params if p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
-        quantized = [p for p in pending if hasattr(p.ds_tensor, "ds_quant_scale")]
-        plain = [p for p in pending if not hasattr(p.ds_tensor, "ds_quant_scale")]
+        if not pending:
+            return []  # the common case: everything was prefetched
+        groups = ([], [], [], [])
+        for param in pending:
+            groups[(0 if hasattr(param.ds_tensor, "ds_quant_scale") else 2) +
+                   (0 if param.ds_secondary_tensor is not None else 1)].append(param)
         issued = []
-        for group, quantize in ((quantized, True), (plain, self.quantize_weights)):
-            with_secondary = [p for p in group if p.ds_secondary_tensor is not None]
-            without_secondary = [p for p in group if p.ds_secondary_tensor is None]
-            for subgroup in (with_secondary, without_secondary):
-                if not subgroup:
-                    continue
-                with get_accelerator().stream(self.allgather_stream):
-                    handle = subgroup[0].all_gather_coalesced(subgroup, quantize=quantize)
-                for param in subgroup:
-                    self.inflight[param] = handle
-                issued.append(subgroup)
+        for index, subgroup in enumerate(groups):
+            if not subgroup:
+                continue
+            quantize = True if index < 2 else self.quantize_weights
+            with get_accelerator().stream(self.allgather_stream):
+                handle = subgroup[0].all_gather_coalesced(subgroup, quantize=quantize)
+            for param in subgroup:
+                self.inflight[param] = handle
+            issued.append(subgroup)
         return issued
 
     def wait(self, params: Iterable[Parameter]) -> None:

@@ -1,7 +1,7 @@
 """Which ZeRO parameters a submodule fetches: its own, its external ones, and, for a z3 leaf, its subtree's."""
 
 import itertools
-from typing import Iterable, List
+from typing import Dict, Iterable, List, Optional
 
 from torch.nn import Module, Parameter
 
@@ -32,6 +32,43 @@ def fetch_params(module: Module, strict: bool = True) -> List[Parameter]:
             raise_for_unconverted(module)
             raise
         return sorted((p for p in params if hasattr(p, "ds_id")), key=lambda p: p.ds_id)
+
+
+def params_signature(module: Module) -> Optional[tuple]:
+    """What ``fetch_params(module)`` depends on, in a form that is cheap to build and compare; None when the
+    module's parameters cannot be told apart this cheaply (a z3 leaf, whose whole subtree counts, or external
+    parameters that do not come from ``register_external_parameter``).
+
+    [Note: cached parameter lists]
+    A replayed pass reuses the parameter list its trace recorded for a step (``PassTrace.params_at``) instead
+    of calling ``fetch_params`` on every fetch and release. The list is only reused while the module's
+    signature equals the one recorded with it: the identities of its own parameters (a parameter assigned
+    after ``initialize`` changes them, and the fetch then raises ``raise_for_unconverted``'s error as before),
+    and the keys of its ``_external_params`` (upstream keys them by ``id``; an external parameter found
+    during a pass changes them). Identities are safe to compare because whoever holds a signature also holds
+    the parameters it was taken from, so none of those ids can be reused by a new object.
+    """
+    state = module.__dict__
+    if state.get("_z3_leaf") or _class_opts_out(type(module)):
+        return None
+    own = tuple(map(id, state["_parameters"].values()))
+    external = state.get("_external_params")
+    if external is None:
+        return None if "ds_external_parameters" in state else own
+    return own, tuple(external)
+
+
+_CLASS_OPTS_OUT: Dict[type, bool] = {}
+
+
+def _class_opts_out(cls: type) -> bool:
+    """A class that declares ``_z3_leaf`` or ``ds_external_parameters`` itself, or has its own
+    ``named_parameters``: its modules are left to ``fetch_params``."""
+    opts_out = _CLASS_OPTS_OUT.get(cls)
+    if opts_out is None:
+        opts_out = _CLASS_OPTS_OUT[cls] = (hasattr(cls, "_z3_leaf") or hasattr(cls, "ds_external_parameters")
+                                           or cls.named_parameters is not Module.named_parameters)
+    return opts_out
 
 
 def raise_for_unconverted(module: Module) -> None:

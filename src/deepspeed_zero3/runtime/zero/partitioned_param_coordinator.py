@@ -33,7 +33,7 @@ What differs from upstream, in one place:
 import enum
 import os
 import threading
-from typing import Dict, Iterable, Optional
+from typing import Dict, Iterable, Optional, Sequence, Tuple
 
 import torch
 from torch.nn import Module, Parameter
@@ -77,6 +77,7 @@ from deepspeed_zero3.runtime.zero.prediction import FirstPassPrediction
 from deepspeed_zero3.runtime.zero.nvme_swap import (NvmeSwapIns, blocks_gather, on_nvme,
                                                     persistent_partitions_in_memory)
 from deepspeed_zero3.runtime.zero.prefetch import PassPrefetcher
+from deepspeed_zero3.runtime.zero.profiling import module_range, pass_range
 from deepspeed_zero3.runtime.zero.rank_agreement import (CHECK_RANKS_ENV, PassOrderCheck, check_ranks_from_env,
                                                          check_same_module_on_all_ranks)
 from deepspeed_zero3.runtime.zero.settings import PrefetchSettings
@@ -89,6 +90,10 @@ class PassPhase(enum.Enum):
     IDLE = "idle"
     FORWARD = "forward"
     BACKWARD = "backward"
+
+
+def _is_persistent(param: Parameter) -> bool:
+    return param.ds_persist
 
 
 def in_autograd_engine() -> bool:
@@ -146,6 +151,9 @@ class PartitionedParameterCoordinator:
         self.reuse_kept: Dict[Parameter, None] = {}
         # Modules fetched in this backward whose post-backward hook has not fired yet.
         self.active_backward: Dict[int, Module] = {}
+        # Module ds_id -> (trace, step) its last fetch in this pass read its parameters from, so that its
+        # release reads them there too ([Note: cached parameter lists] in module_params.py).
+        self.fetched_from: Dict[int, Tuple[PassTrace, int]] = {}
         self.root_depth = 0
         self.stats_every = stats_every_from_env(os.environ)
         self.check_ranks = check_ranks_from_env(os.environ)
@@ -318,6 +326,7 @@ class PartitionedParameterCoordinator:
         self.stats.end_pass(aborted=aborted)
         self.phase = PassPhase.IDLE
         self.progress = None
+        self.fetched_from.clear()
 
     def _make_prefetcher(self, role: str, trace: Optional[PassTrace]) -> Optional[PassPrefetcher]:
         if trace is None or self.settings.bucket_numel == 0:
@@ -347,7 +356,8 @@ class PartitionedParameterCoordinator:
     @torch.no_grad()
     def fetch_sub_module(self, current_submodule: Module, forward: bool) -> None:
         """Make the parameters of ``current_submodule`` available, then prefetch ahead in this pass."""
-        with self.lock:
+        # [Note: profiler ranges]
+        with self.lock, module_range("fetch", current_submodule, " forward" if forward else " backward"):
             if (not forward or in_autograd_engine()) and self.phase is PassPhase.IDLE:
                 self.begin_backward_pass()
             step = -1
@@ -357,7 +367,7 @@ class PartitionedParameterCoordinator:
                 kind = self.progress.kind if self.progress is not None else PassKind.FORWARD
                 observed_step = self.progress.step if self.progress is not None else -1
                 check_same_module_on_all_ranks(kind, observed_step, current_submodule, self.order_check.group)
-            params = fetch_params(current_submodule)
+            params = self._params_to_fetch(current_submodule, step)
             if self.phase is PassPhase.BACKWARD:
                 self.active_backward[current_submodule.ds_id] = current_submodule
             for param in params:
@@ -365,7 +375,8 @@ class PartitionedParameterCoordinator:
             if self.swap_ins is not None:
                 self._make_swap_room(params)
             self._gather(params, prefetch=False)
-            self.gatherer.wait(params)
+            with module_range("wait", current_submodule):
+                self.gatherer.wait(params)
             if self.swap_ins is not None:
                 persisted = persistent_partitions_in_memory(params)
                 if persisted:  # gathered for good: their NVMe partition buffers are not needed again
@@ -375,7 +386,27 @@ class PartitionedParameterCoordinator:
                     raise RuntimeError(f"deepspeed-zero3: parameter ds_id={param.ds_id} shape={tuple(param.ds_shape)} "
                                        f"of module {type(current_submodule).__name__} ds_id={current_submodule.ds_id} "
                                        f"is {param.ds_status.name} after its fetch at step {step}; expected AVAILABLE")
-            self._prefetch(step)
+            self._prefetch(step, current_submodule)
+
+    def _params_to_fetch(self, module: Module, step: int) -> Sequence[Parameter]:
+        """``fetch_params(module)``, from the replayed trace when it holds them ([Note: cached parameter lists])."""
+        progress = self.progress
+        if progress is not None and progress.trace is not None:
+            params = progress.trace.params_at(step, module)
+            if params is not None:
+                self.fetched_from[module.ds_id] = (progress.trace, step)
+                return params
+        self.fetched_from.pop(module.ds_id, None)
+        return fetch_params(module)
+
+    def _params_to_release(self, module: Module) -> Sequence[Parameter]:
+        """What ``module``'s fetch covered: ``fetch_params(module, strict=False)``, from the trace when it can be."""
+        source = self.fetched_from.get(module.ds_id)
+        if source is not None:
+            params = source[0].params_at(source[1], module)
+            if params is not None:
+                return params
+        return fetch_params(module, strict=False)
 
     def _observe(self, module: Module) -> int:
         outcome = self.progress.observe(module)
@@ -403,15 +434,18 @@ class PartitionedParameterCoordinator:
         elif self.phase is PassPhase.BACKWARD:
             self.backward_prefetcher = prefetcher
 
-    def _prefetch(self, step: int) -> None:
+    def _prefetch(self, step: int, module: Optional[Module] = None) -> None:
+        """Issue the gathers the prefetcher plans now; ``module`` (None when priming a pass) names the range."""
         prefetcher = self.current_prefetcher()
         if prefetcher is None:
             return
         prefetcher.reached(step)
-        wanted = prefetcher.plan(self.live_numel, self.settings.max_live_numel, is_persistent=lambda p: p.ds_persist,
+        wanted = prefetcher.plan(self.live_numel, self.settings.max_live_numel, is_persistent=_is_persistent,
                                  stop_at=blocks_gather if self.swap_ins is not None else None)
         if wanted:
-            self._gather(wanted, prefetch=True)
+            with (module_range("prefetch", module, params=wanted)
+                  if module is not None else pass_range("prefetch", " " + prefetcher.role + " start", wanted)):
+                self._gather(wanted, prefetch=True)
         if self.swap_ins is not None:
             self.stats.current.swap_in_ahead += self.swap_ins.read_ahead(prefetcher.trace.param_uses,
                                                                          prefetcher.cursor, self.settings.bucket_numel)
@@ -448,7 +482,7 @@ class PartitionedParameterCoordinator:
     @torch.no_grad()
     def release_sub_module(self, submodule: Module, forward: bool = False) -> None:
         """Release what ``submodule`` used, unless it is in use, claimed ahead, or reused soon."""
-        with self.lock:
+        with self.lock, module_range("release", submodule, " forward" if forward else " backward"):
             if forward and self.phase is PassPhase.BACKWARD and submodule.ds_id in self.active_backward:
                 # A non-reentrant checkpoint recomputes this module's forward inside its own backward (and
                 # torch's early stop raises out of it, which always_call forward hooks see): the backward has
@@ -456,7 +490,7 @@ class PartitionedParameterCoordinator:
                 return
             step = self.progress.trace_step if self.progress is not None else -1
             prefetcher = self.current_prefetcher()
-            for param in fetch_params(submodule, strict=False):
+            for param in self._params_to_release(submodule):
                 param.ds_active_sub_modules.discard(submodule.ds_id)
                 if (param.ds_persist or param.is_external_param or param.ds_active_sub_modules
                         or held_by_gathered_parameters(param)):

@@ -39,7 +39,16 @@ from deepspeed_zero3.runtime.zero.trace import PassTrace
 
 
 class PassPrefetcher:
-    """Prefetch planning over one pass's trace. Pure bookkeeping: the coordinator issues the gathers."""
+    """Prefetch planning over one pass's trace. Pure bookkeeping: the coordinator issues the gathers.
+
+    [Note: constant-cost planning]
+    Every call made per fetch (``reached``, ``plan``, ``holds``, ``adopt``, ``forget``) costs the same
+    whether the window holds 2 parameters or 500: the window's numel is a running counter, and what is
+    outstanding is also indexed by its target step, so ``reached`` visits only the steps execution moved
+    past (one per fetch) and the parameters due there. ``_swept_below`` is the smallest step that may
+    still have entries; an entry added below it (never, in the coordinator's call order, but allowed)
+    lowers it, so ``reached(step)`` still drops every entry whose target is ``<= step``.
+    """
 
     def __init__(self, role: str, trace: PassTrace, bucket_numel: int):
         self.role = role  # "forward" or "backward": a label for logs and tests
@@ -48,10 +57,42 @@ class PassPrefetcher:
         self.cursor = 0  # index into trace.param_uses of the first use not yet walked
         self.outstanding: Dict[Parameter, int] = {}  # gathered by us -> the step it was gathered for
         self.claims: Dict[Parameter, int] = {}  # param -> latest future step the walk assigned to it
+        # [Note: constant-cost planning]: the same entries as ``outstanding``, by target step, and their numel.
+        self.outstanding_by_step: Dict[int, Dict[Parameter, None]] = {}
+        self._outstanding_numel = 0
+        self._swept_below = 0
 
     @property
     def outstanding_numel(self) -> int:
-        return sum(p.ds_numel for p in self.outstanding)
+        return self._outstanding_numel
+
+    def _set_outstanding(self, param: Parameter, step: int) -> None:
+        previous = self.outstanding.get(param)
+        if previous is not None:
+            if previous == step:
+                return
+            self._unindex(param, previous)
+        else:
+            self._outstanding_numel += param.ds_numel
+        self.outstanding[param] = step
+        bucket = self.outstanding_by_step.get(step)
+        if bucket is None:
+            self.outstanding_by_step[step] = bucket = {}
+        bucket[param] = None
+        if step < self._swept_below:
+            self._swept_below = step
+
+    def _drop_outstanding(self, param: Parameter) -> None:
+        step = self.outstanding.pop(param, None)
+        if step is not None:
+            self._outstanding_numel -= param.ds_numel
+            self._unindex(param, step)
+
+    def _unindex(self, param: Parameter, step: int) -> None:
+        bucket = self.outstanding_by_step[step]
+        del bucket[param]
+        if not bucket:
+            del self.outstanding_by_step[step]
 
     def rebase(self, trace: PassTrace, step: int) -> List[Parameter]:
         """The pass moved to another cached trace at ``step``: walk that one from here.
@@ -68,9 +109,9 @@ class PassPrefetcher:
             target = trace.next_use(param, step - 1)
             if target is None:
                 stale.append(param)
-                del self.outstanding[param]
+                self._drop_outstanding(param)
             else:
-                self.outstanding[param] = target
+                self._set_outstanding(param, target)
                 self.claims[param] = target
         return stale
 
@@ -82,8 +123,17 @@ class PassPrefetcher:
     def reached(self, step: int) -> None:
         """Execution is at ``step``: what was gathered for it is in use, not ahead of use any more."""
         self._skip_through(step)
-        for param in [p for p, target in self.outstanding.items() if target <= step]:
-            del self.outstanding[param]
+        if step < self._swept_below:
+            return
+        by_step = self.outstanding_by_step
+        if by_step:
+            for due in range(self._swept_below, step + 1):
+                bucket = by_step.pop(due, None)
+                if bucket is not None:
+                    for param in bucket:
+                        del self.outstanding[param]
+                        self._outstanding_numel -= param.ds_numel
+        self._swept_below = step + 1
 
     def holds(self, param: Parameter, step: int) -> bool:
         """Whether the walk assigned ``param`` to a step after ``step`` (so it must stay gathered)."""
@@ -91,11 +141,11 @@ class PassPrefetcher:
 
     def adopt(self, param: Parameter) -> None:
         """A claimed parameter was kept at release: count it in the window until its claimed step."""
-        self.outstanding[param] = self.claims[param]
+        self._set_outstanding(param, self.claims[param])
 
     def forget(self, param: Parameter) -> None:
         """``param`` was released by someone else: it is no longer ahead of use."""
-        self.outstanding.pop(param, None)
+        self._drop_outstanding(param)
         self.claims.pop(param, None)
 
     def plan(self, live_numel: int, max_live_numel: int, is_persistent: Callable[[Parameter], bool],
@@ -105,10 +155,13 @@ class PassPrefetcher:
         The walk waits (stops without passing it) at a parameter ``stop_at`` names: an NVMe partition not read
         yet ([Note: NVMe swap-in ahead]).
         """
-        budget = min(self.bucket_numel - self.outstanding_numel, max_live_numel - live_numel)
+        budget = min(self.bucket_numel - self._outstanding_numel, max_live_numel - live_numel)
+        uses = self.trace.param_uses
+        if budget <= 0 or self.cursor >= len(uses):
+            return []  # nothing is walked: the common case once the window is full
         chosen: List[Parameter] = []
         chosen_numel = 0
-        uses = self.trace.param_uses
+        claims = self.claims
         started_step = None  # a module is prefetched whole, so its small bias is never left to a demand fetch
         while self.cursor < len(uses) and (chosen_numel < budget or uses[self.cursor][1] == started_step):
             param, step = uses[self.cursor]
@@ -116,14 +169,13 @@ class PassPrefetcher:
                 break
             if chosen_numel < budget:
                 started_step = step
+            self.cursor += 1
             if param.ds_status != ZeroParamStatus.NOT_AVAILABLE or param in self.outstanding:
                 if not is_persistent(param):
-                    self.claims[param] = max(self.claims.get(param, -1), step)
-                self.cursor += 1
+                    claims[param] = max(claims.get(param, -1), step)
                 continue
-            self.cursor += 1
             chosen.append(param)
             chosen_numel += param.ds_numel
-            self.outstanding[param] = step
-            self.claims[param] = max(self.claims.get(param, -1), step)
+            self._set_outstanding(param, step)
+            claims[param] = max(claims.get(param, -1), step)
         return chosen

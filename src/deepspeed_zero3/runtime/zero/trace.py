@@ -37,7 +37,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from torch.nn import Module, Parameter
 
-from deepspeed_zero3.runtime.zero.module_params import fetch_params
+from deepspeed_zero3.runtime.zero.module_params import fetch_params, params_signature
 from deepspeed_zero3.runtime.zero.stats import PassKind
 
 
@@ -56,6 +56,8 @@ class PassTrace:
         # Parameters are read when the pass has ended, so external parameters discovered
         # during the pass are included, as they will be when it is replayed.
         self.step_params: Tuple[Tuple[Parameter, ...], ...] = tuple(tuple(fetch_params(m)) for m in modules)
+        # [Note: cached parameter lists]: taken together with step_params, which holds what they identify.
+        self.step_signatures: Tuple[Optional[tuple], ...] = tuple(params_signature(m) for m in modules)
         self.param_uses: Tuple[Tuple[Parameter, int], ...] = tuple(
             (param, step) for step, params in enumerate(self.step_params) for param in params)
         step_numel = [sum(p.ds_numel for p in params) for params in self.step_params]
@@ -79,6 +81,15 @@ class PassTrace:
     def live_modules(self) -> List[Module]:
         """The trace's modules that still exist, in order."""
         return [m for m in (ref() for ref in self.module_refs) if m is not None]
+
+    def params_at(self, step: int, module: Module) -> Optional[Tuple[Parameter, ...]]:
+        """``fetch_params(module)``, read from the trace: None unless ``module`` runs ``step`` here and its
+        parameters are still those recorded ([Note: cached parameter lists])."""
+        if 0 <= step < len(self.module_refs) and self.module_refs[step]() is module:
+            signature = self.step_signatures[step]
+            if signature is not None and signature == params_signature(module):
+                return self.step_params[step]
+        return None
 
     def runs(self, observed: Sequence[Module]) -> bool:
         """Whether this trace starts with exactly these module objects."""

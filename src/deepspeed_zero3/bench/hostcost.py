@@ -1,0 +1,87 @@
+"""Host time per module fetch + release of the tiny-module model, in one process (world 1), optionally profiled.
+
+    python -m deepspeed_zero3.bench.hostcost [--reuse 1000000000] [--profile]
+    DEEPSPEED_ZERO3=0 python -m deepspeed_zero3.bench.hostcost      # upstream's runtime
+
+No launcher and no other rank to wait for: what is left is host work (bookkeeping, upstream's partition
+and gather calls). Builds the ``tiny_modules`` model of the benchmark, runs 3 warm-up training steps,
+times ``fetch_sub_module`` and ``release_sub_module`` over 3 more (wall and this thread's CPU time), and with ``--profile`` prints a cProfile
+of 2 further steps (sorted by ``--sort``). Run it under the heavy lock like any benchmark.
+"""
+
+import argparse
+import cProfile
+import os
+import pstats
+import sys
+import time
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m deepspeed_zero3.bench.hostcost", description=__doc__.splitlines()[0])
+    parser.add_argument("--reuse", type=int, default=0, help="stage3_max_reuse_distance (default 0)")
+    parser.add_argument("--profile", action="store_true", help="print a cProfile of two more steps")
+    parser.add_argument("--sort", default="tottime", help="cProfile sort key (default tottime)")
+    parser.add_argument("--lines", type=int, default=30, help="cProfile lines shown (default 30)")
+    args = parser.parse_args(argv)
+
+    from deepspeed_zero3.testing.ports import free_port
+    for name, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(free_port())), ("RANK", "0"),
+                        ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
+        os.environ.setdefault(name, value)
+    import torch
+    import deepspeed
+    import deepspeed.runtime.zero.partitioned_param_coordinator as coordinator_module
+    from deepspeed_zero3.bench.scenarios import DEEPSPEED_DEFAULT_BUCKET, TINY_MODULES, TINY_WIDTH
+    from deepspeed_zero3.testing.engines import batch, mse_loss, training_engine, zero3_config
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    torch.manual_seed(8)
+    model = torch.nn.Sequential(*(torch.nn.Linear(TINY_WIDTH, TINY_WIDTH) for _ in range(TINY_MODULES)))
+    engine = training_engine(model, zero3_config(bucket=DEEPSPEED_DEFAULT_BUCKET, reuse=args.reuse))
+
+    def step(i):
+        loss = mse_loss(engine(batch(i, 0, shape=(4, TINY_WIDTH))))
+        engine.backward(loss)
+        engine.step()
+
+    for i in range(3):
+        step(i)
+    cls = coordinator_module.PartitionedParameterCoordinator
+    spent = {"seconds": 0.0, "cpu_seconds": 0.0, "fetches": 0}
+    saved = []
+    for name in ("fetch_sub_module", "release_sub_module"):
+        original = getattr(cls, name)
+        saved.append((name, original))
+
+        def timed(*a, _original=original, _name=name, **k):
+            start, cpu_start = time.perf_counter(), time.thread_time()
+            try:
+                return _original(*a, **k)
+            finally:
+                spent["seconds"] += time.perf_counter() - start
+                spent["cpu_seconds"] += time.thread_time() - cpu_start
+                spent["fetches"] += _name == "fetch_sub_module"
+
+        setattr(cls, name, timed)
+    for i in range(3, 6):
+        step(i)
+    for name, original in saved:
+        setattr(cls, name, original)
+    runtime = "ours" if "deepspeed_zero3" in coordinator_module.__file__ else "upstream"
+    print(f"{runtime}: {1e6 * spent['seconds'] / spent['fetches']:.1f} us per module fetch + release, "
+          f"{1e6 * spent['cpu_seconds'] / spent['fetches']:.1f} us of it CPU (world 1, reuse {args.reuse}, "
+          f"{spent['fetches']} fetches)")
+    if args.profile:
+        profile = cProfile.Profile()
+        profile.enable()
+        for i in range(6, 8):
+            step(i)
+        profile.disable()
+        pstats.Stats(profile).sort_stats(args.sort).print_stats(args.lines)
+    sys.stdout.flush()
+    os._exit(0)  # the process group and engine need no orderly teardown here
+
+
+if __name__ == "__main__":
+    sys.exit(main())
