@@ -191,6 +191,7 @@ def replay_generate(events_by_rank, lr=1e-3):
                     assert torch.equal(generate(model, torch.tensor(event["prompts"]), sample=False), sequences)
                 with torch.no_grad():
                     logits = model(input_ids=sequences).logits[:, PROMPT_LEN - 1:-1]
+                logits[..., model.config.eos_token_id] = -float("inf")  # min_new_tokens bars eos from the choice
                 chosen = logits.gather(-1, sequences[:, PROMPT_LEN:, None]).squeeze(-1)
                 shortfall = (logits.max(-1).values - chosen).max().item()
                 assert shortfall <= GREEDY_MARGIN, f"rank {rank}, event {position}: not greedy by {shortfall}"

@@ -43,8 +43,9 @@ EXPECTED_EVENTS = {
 FLOWS = list(EXPECTED_EVENTS)
 # 33 modules in the tiny Llama, a pre- and a post-forward hook each in forward_hooks, two more in backward_hooks.
 ZERO3_HOOK_LISTS = [66, 66]
-# 2 layers x (q_proj, v_proj) x (lora_A, lora_B, lora_dropout), each a ModuleDict with its "default" entry.
-LORA_MODULES = 24
+# 2 layers x (q_proj, v_proj) x 9: lora_A, lora_B and lora_dropout (ModuleDicts with a "default" entry each),
+# and peft's lora_embedding_A, lora_embedding_B, lora_magnitude_vector (empty here).
+LORA_MODULES = 36
 
 
 @pytest.fixture(scope="module")
