@@ -34,8 +34,8 @@ def generate(model, prompt_ids: torch.Tensor, sample: bool, seed: int = 0) -> to
         dict(do_sample=False)
     torch.manual_seed(seed)
     with torch.no_grad():
-        return model.generate(input_ids=prompt_ids, attention_mask=torch.ones_like(prompt_ids), max_new_tokens=NEW_TOKENS,
-                              min_new_tokens=NEW_TOKENS, pad_token_id=0, **kwargs)
+        return model.generate(input_ids=prompt_ids, attention_mask=torch.ones_like(prompt_ids),
+                              max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, pad_token_id=0, **kwargs)
 
 
 def advantages(sequences: torch.Tensor) -> torch.Tensor:

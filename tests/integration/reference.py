@@ -197,7 +197,8 @@ def replay_generate(events_by_rank, lr=1e-3):
                 assert shortfall <= GREEDY_MARGIN, f"rank {rank}, event {position}: not greedy by {shortfall}"
             continue
         assert kind == "train", kind
-        losses = [model(input_ids=torch.tensor(e["input_ids"]), labels=torch.tensor(e["input_ids"])).loss for e in events]
+        inputs = [torch.tensor(e["input_ids"]) for e in events]
+        losses = [model(input_ids=ids, labels=ids).loss for ids in inputs]
         _averaged_step(params, optimizer, losses)
         updated = True
         for rank, loss in enumerate(losses):
