@@ -64,7 +64,7 @@ def net_loss(output, target):
 # ---------------------------------------------------------------- Hugging Face's model and data
 
 
-def make_llama():
+def make_llama(**config_overrides):
     """A 2-layer Llama built from a config (never downloaded; no dropout in Llama by default).
 
     A ``...ForCausalLM`` class on purpose: the Trainer (5.x) knows from the class name that the loss
@@ -76,7 +76,7 @@ def make_llama():
 
     config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=32, bos_token_id=0,
-                         eos_token_id=1, pad_token_id=None)
+                         eos_token_id=1, pad_token_id=None, **config_overrides)
     torch.manual_seed(SEED)
     return LlamaForCausalLM(config)
 

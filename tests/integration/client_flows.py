@@ -1,0 +1,203 @@
+"""RL and PEFT client flows (TRL, peft, HF generate) on a ZeRO-3 engine made by Accelerate, on 2 ranks:
+
+    torchrun --nproc_per_node 2 --master_port P tests/integration/client_flows.py --out DIR --flows a,b
+
+The model is the tiny Llama of common.py (built from a config, nothing downloaded). Each flow runs a
+few steps of its own hand-written loop, the way RL and PEFT libraries drive an Accelerate-prepared
+DeepSpeed engine. Each rank writes DIR/<flow>.rank<R>.json as the other flow scripts do (runtime,
+"ok" or the crash, events); rank 0 saves the final full parameters (DIR/<flow>.params.pt).
+"""
+
+import copy
+import faulthandler
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from cpu_shims import allow_accelerate_deepspeed_on_cpu  # noqa: E402
+
+allow_accelerate_deepspeed_on_cpu()
+
+from accelerate import Accelerator  # noqa: E402
+from accelerate.state import AcceleratorState  # noqa: E402
+from accelerate.utils import DeepSpeedPlugin  # noqa: E402
+
+from client_common import (advantages, generate, grpo_loss, make_lora_llama, modules_in_training_mode,  # noqa: E402
+                           prompts, sampling_seed, set_lora_modes, train_batch)
+from common import crash_record, finish_flow, make_llama, parse_flow_args, runtime_name  # noqa: E402
+
+FLOW_TIMEOUT_S = int(os.environ.get("ZERO3_INTEGRATION_FLOW_TIMEOUT", "150"))
+STEPS = 3
+LR = 1e-3
+
+# The Trainer's "auto" values for hidden size 64, written out (no Trainer fills them in here): every
+# weight matrix stays partitioned (persistence 640), and the prefetch bucket holds less than one layer.
+DS_CONFIG = {
+    "train_micro_batch_size_per_gpu": 4,
+    "gradient_accumulation_steps": 1,
+    "gradient_clipping": 1.0,
+    "zero_optimization": {
+        "stage": 3,
+        "stage3_param_persistence_threshold": 640,
+        "stage3_prefetch_bucket_size": 3686,
+        "reduce_bucket_size": 4096,
+    },
+    "zero_allow_untested_optimizer": True,
+    "steps_per_print": 10**9,
+}
+
+
+def rank():
+    return int(os.environ["RANK"])
+
+
+def prepare(model):
+    """A fresh Accelerator (state reset, as TrainingArguments does) and its DeepSpeed engine over ``model``."""
+    AcceleratorState._reset_state(reset_partial_state=True)
+    accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=copy.deepcopy(DS_CONFIG)))
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=0.0)
+    engine, optimizer = accelerator.prepare(model, optimizer)
+    return accelerator, engine, optimizer
+
+
+def train_step(accelerator, optimizer, loss):
+    accelerator.backward(loss)  # Accelerate's DeepSpeed backward: engine.backward, then engine.step
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def hook_counts(engine):
+    """The lengths of the two ZeRO-3 hook lists TRL removes and puts back, and every forward (pre-)hook on
+    the module tree (the runtime's, TRL's and the engine's own)."""
+    offload = engine.optimizer.parameter_offload
+    on_modules = sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in engine.module.modules())
+    return [len(offload.forward_hooks), len(offload.backward_hooks)], on_modules
+
+
+# ---------------------------------------------------------------- the flows
+
+
+def grpo(events, gather):
+    """GRPO's loop with TRL's unwrap_model_for_generation: sample a group of completions per prompt from
+    the unwrapped model, score them, then one policy-gradient step of the engine on those sequences."""
+    from trl.models.utils import unwrap_model_for_generation
+
+    model = make_llama()
+    model.gradient_checkpointing_enable()  # GRPOConfig's default; TRL turns it off while generating
+    accelerator, engine, optimizer = prepare(model)
+    for step in range(STEPS):
+        prompt_ids = prompts(rank(), step)
+        hooks = {"before": hook_counts(engine)}
+        with unwrap_model_for_generation(engine, accelerator, gather_deepspeed3_params=gather) as unwrapped:
+            hooks["inside"] = hook_counts(engine)
+            assert unwrapped is engine.module and not unwrapped.is_gradient_checkpointing
+            sequences = generate(unwrapped, prompt_ids, sample=True, seed=sampling_seed(rank(), step))
+        hooks["after"] = hook_counts(engine)
+        assert engine.module.is_gradient_checkpointing
+        advantage = advantages(sequences)
+        loss, logp = grpo_loss(engine, sequences, advantage)
+        train_step(accelerator, optimizer, loss)
+        events.append({"kind": "grpo", "prompts": prompt_ids.tolist(), "sequences": sequences.tolist(),
+                       "advantages": advantage.tolist(), "loss": loss.item(), "logp": logp.item(),
+                       "hook_lists": {k: v[0] for k, v in hooks.items()},
+                       "module_hooks": {k: v[1] for k, v in hooks.items()}})
+    return engine
+
+
+def grpo_gather(events):
+    """gather_deepspeed3_params=True: all parameters gathered, the ZeRO-3 hooks removed while generating."""
+    return grpo(events, gather=True)
+
+
+def grpo_no_gather(events):
+    """gather_deepspeed3_params=False: generation runs through the ZeRO-3 hooks (no-grad forwards)."""
+    return grpo(events, gather=False)
+
+
+def lora(events, eval_base):
+    accelerator, engine, optimizer = prepare(make_lora_llama(eval_base))
+    if not eval_base:
+        engine.module.gradient_checkpointing_enable()  # transformers' default: non-reentrant
+    set_lora_modes(engine.module, eval_base)
+    for step in range(STEPS + 1):
+        ids = train_batch(rank(), step)
+        loss = engine(input_ids=ids, labels=ids).loss
+        train_step(accelerator, optimizer, loss)
+        events.append({"kind": "train", "input_ids": ids.tolist(), "loss": loss.item(),
+                       "training": modules_in_training_mode(engine.module)})
+    with torch.no_grad():
+        ids = train_batch(rank(), STEPS + 1)
+        events.append({"kind": "eval", "input_ids": ids.tolist(), "loss": engine(input_ids=ids, labels=ids).loss.item(),
+                       "training": modules_in_training_mode(engine.module)})
+    return engine
+
+
+def lora_eval_base(events):
+    """peft LoRA on q_proj/v_proj: only the adapters train, and every non-LoRA module stays in eval mode
+    for the whole run (the base has attention dropout, which eval mode turns off)."""
+    return lora(events, eval_base=True)
+
+
+def lora_checkpointing(events):
+    """peft LoRA with every module in training mode and gradient checkpointing (transformers' default,
+    non-reentrant): the checkpoint recompute in backward runs frozen base weights through ZeRO-3 again."""
+    return lora(events, eval_base=False)
+
+
+def generate_interleaved(events):
+    """HF generate() (greedy) on the engine's module before, between and after training steps, and once
+    between a step's forward and its backward."""
+    accelerator, engine, optimizer = prepare(make_llama())
+
+    def record_generation(step):
+        prompt_ids = prompts(rank(), step)
+        events.append({"kind": "generate", "prompts": prompt_ids.tolist(),
+                       "sequences": generate(engine.module, prompt_ids, sample=False).tolist()})
+
+    for step in range(STEPS):
+        record_generation(step)
+        ids = train_batch(rank(), step)
+        loss = engine(input_ids=ids, labels=ids).loss
+        if step == 1:
+            record_generation(100 + step)
+        train_step(accelerator, optimizer, loss)
+        events.append({"kind": "train", "input_ids": ids.tolist(), "loss": loss.item()})
+    record_generation(STEPS)
+    return engine
+
+
+FLOWS = {f.__name__: f for f in (grpo_gather, grpo_no_gather, lora_eval_base, lora_checkpointing, generate_interleaved)}
+
+
+def save_params(engine, path):
+    import deepspeed
+
+    params = list(engine.module.named_parameters())
+    with deepspeed.zero.GatheredParameters([p for _, p in params]):
+        if rank() == 0:
+            torch.save({name: p.detach().clone() for name, p in params}, path)
+
+
+def main():
+    args = parse_flow_args()
+    for name in args.flows.split(","):
+        faulthandler.dump_traceback_later(FLOW_TIMEOUT_S, exit=True)
+        events = []
+        try:
+            engine = FLOWS[name](events)
+            save_params(engine, os.path.join(args.out, f"{name}.params.pt"))
+            engine.destroy()
+            record = {"status": "ok"}
+        except Exception as exc:  # recorded for the test, then the run stops
+            record = crash_record(exc)
+        finally:
+            faulthandler.cancel_dump_traceback_later()
+        record.update(runtime=runtime_name(), events=events)
+        finish_flow(args.out, name, record)
+
+
+if __name__ == "__main__":
+    main()
