@@ -24,6 +24,7 @@ from deepspeed_zero3.runtime.zero.param_registry import ParamStateRegistry, find
 from deepspeed_zero3.runtime.zero.partitioned_param_coordinator import (NVME_NOT_SUPPORTED,
                                                                         PartitionedParameterCoordinator)
 from deepspeed_zero3.runtime.zero.settings import PrefetchSettings
+from deepspeed_zero3.runtime.zero.upstream_features import refuse_uncovered_features
 
 __all__ = ["DeepSpeedZeRoOffload", "ZeROOrderedDict", "ensure_zero_ordered_dict", "FWD_MODULE_STACK"]
 
@@ -70,6 +71,7 @@ class DeepSpeedZeRoOffload:
         zero_module_granularity_threshold=0,
         log_trace_cache_warnings=False,
     ):
+        refuse_uncovered_features(self, module)  # [Note: features, not version numbers]
         if zenflow:
             raise _not_supported("ZenFlow (zero_optimization.zenflow)")
         if zero_module_granularity_threshold and zero_module_granularity_threshold > 0:
