@@ -1,4 +1,4 @@
-"""Bitwise parity with upstream DeepSpeed 0.19.8's ZeRO-3 runtime, scenario by scenario.
+"""Bitwise parity with the installed upstream DeepSpeed release's ZeRO-3 runtime (0.19.4-0.19.8), scenario by scenario.
 
 An ordinary single-process pytest: a module fixture launches tests/parity/scenarios.py four times, one at a
 time (ours and upstream's, at world sizes 2 and 4; upstream through the kill switch DEEPSPEED_ZERO3=0, which
