@@ -19,6 +19,8 @@ OUTCOMES = ("passed", "failed", "error", "skipped", "xfailed", "xpassed")
 _SUMMARY = re.compile(r"^=*\s*((?:\d+ (?:passed|failed|errors?|skipped|xfailed|xpassed|deselected|warnings?)"
                       r"(?:, )?)+) in [\d.]+s")
 _COUNT = re.compile(r"(\d+) (passed|failed|errors?|skipped|xfailed|xpassed)")
+# The distributed harness ends a rank at its first failure, before pytest's closing line; it names the test.
+_FAILED = re.compile(r"^(?:\[rank \d+\] )?FAILED (\S+)")
 
 
 def supported_versions(repo: Path):
@@ -46,8 +48,10 @@ def read_suite(folder: Path, suite: str):
     if not log.exists() or not rc.exists():
         return None
     seconds = folder / f"{suite}.seconds"
-    found = summaries(log.read_text(errors="replace"))
+    text = log.read_text(errors="replace")
+    found = summaries(text)
     return {
+        "failed_tests": sorted({m.group(1) for m in map(_FAILED.match, text.splitlines()) if m}),
         "rc": int(rc.read_text().strip() or -1),
         "seconds": int(seconds.read_text().strip()) if seconds.exists() else None,
         "counts": found[0] if found else None,
@@ -61,6 +65,9 @@ def cell(result) -> str:
         return "not run"
     counts = result["counts"]
     if counts is None:
+        if result["failed_tests"]:
+            return (f"FAIL: stopped at its first failure (exit {result['rc']}): "
+                    + ", ".join(f"`{name}`" for name in result["failed_tests"]))
         return f"no pytest summary (exit {result['rc']})"
     parts = [f"{counts['passed']} passed", f"{counts['failed'] + counts['error']} failed"]
     parts += [f"{counts[k]} {k}" for k in ("skipped", "xfailed", "xpassed") if counts[k]]

@@ -35,6 +35,8 @@ def test_the_table_lists_every_supported_release_with_counts_or_not_run(tmp_path
     write_suite(results / "0.19.4", "parity", "1 failed, 20 passed, 2 xfailed in 400.0s\n", 2, 410)
     write_suite(results / "0.19.8", "unit", "Traceback: the venv did not build\n", 2, 5)
     write_suite(results / "0.19.8", "distributed", "31 passed in 2.0s\n30 passed, 1 failed in 2.0s\n", 1, 9)
+    write_suite(results / "0.19.6", "distributed", "[rank 0] FAILED tests/distributed/test_x.py::test_y (call):\n"
+                "[rank 1] FAILED tests/distributed/test_x.py::test_y (call):\n", 2, 60)
     write_suite(results / "0.19.3", "unit", "1 passed in 1.0s\n", 0, 1)  # not supported: ignored
 
     text = versions_table.render(results, versions_table.supported_versions(REPO), "today")
@@ -43,7 +45,8 @@ def test_the_table_lists_every_supported_release_with_counts_or_not_run(tmp_path
         "| 0.19.4 | ok: 148 passed, 0 failed; 52 s | ok: 30 passed, 0 failed, 1 skipped (each of 2 ranks); 230 s "
         "| FAIL: 20 passed, 1 failed, 2 xfailed; 410 s |",
         "| 0.19.5 | not run | not run | not run |",
-        "| 0.19.6 | not run | not run | not run |",
+        "| 0.19.6 | not run | FAIL: stopped at its first failure (exit 2): `tests/distributed/test_x.py::test_y` "
+        "| not run |",
         "| 0.19.7 | not run | not run | not run |",
         "| 0.19.8 | no pytest summary (exit 2) | FAIL: 31 passed, 0 failed (ranks disagree: rank 0 shown); 9 s "
         "| not run |",
