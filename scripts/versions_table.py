@@ -16,7 +16,7 @@ from pathlib import Path
 
 SUITES = ("unit", "distributed", "parity")
 OUTCOMES = ("passed", "failed", "error", "skipped", "xfailed", "xpassed")
-_SUMMARY = re.compile(r"^=*\s*((?:\d+ (?:passed|failed|errors?|skipped|xfailed|xpassed|deselected|warnings?)"
+_SUMMARY = re.compile(r"((?:\d+ (?:passed|failed|errors?|skipped|xfailed|xpassed|deselected|warnings?)"
                       r"(?:, )?)+) in [\d.]+s")
 _COUNT = re.compile(r"(\d+) (passed|failed|errors?|skipped|xfailed|xpassed)")
 # The distributed harness ends a rank at its first failure, before pytest's closing line; it names the test.
@@ -32,13 +32,12 @@ def supported_versions(repo: Path):
 def summaries(log_text: str):
     """Counts of every pytest closing line in a log, in order (one per rank for the distributed suite)."""
     found = []
-    for line in log_text.splitlines():
-        match = _SUMMARY.match(line.strip())
-        if match:
-            counts = dict.fromkeys(OUTCOMES, 0)
-            for number, outcome in _COUNT.findall(match.group(1)):
-                counts["error" if outcome.startswith("error") else outcome] += int(number)
-            found.append(counts)
+    # Searched, not matched per line: the ranks' closing lines can land on one line of the log.
+    for match in _SUMMARY.finditer(log_text):
+        counts = dict.fromkeys(OUTCOMES, 0)
+        for number, outcome in _COUNT.findall(match.group(1)):
+            counts["error" if outcome.startswith("error") else outcome] += int(number)
+        found.append(counts)
     return found
 
 

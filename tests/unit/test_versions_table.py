@@ -25,6 +25,9 @@ def test_summaries_read_every_pytest_closing_line():
         dict(passed=148, failed=0, error=0, skipped=0, xfailed=0, xpassed=0),
         dict(passed=40, failed=2, error=1, skipped=1, xfailed=3, xpassed=0),
     ]
+    # Two ranks' closing lines written into one line of the log.
+    assert versions_table.summaries("47 passed in 84.69s (0:01:24)47 passed in 84.69s (0:01:24)\n") == [
+        dict(passed=47, failed=0, error=0, skipped=0, xfailed=0, xpassed=0)] * 2
 
 
 def test_the_table_lists_every_supported_release_with_counts_or_not_run(tmp_path):
