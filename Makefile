@@ -3,7 +3,21 @@
 # then this package with `pip install .` (the activation .pth needs a real install, not -e).
 
 PYTHON ?= python3
+# Upstream release to test against: any of src/deepspeed_zero3/_compat.py's SUPPORTED_DEEPSPEED_VERSIONS, each in
+# its own venv (the default keeps .venv); e.g. make test DEEPSPEED_VERSION=0.19.4.
+SUPPORTED_DEEPSPEED_VERSIONS := $(shell sed -n 's/^SUPPORTED_DEEPSPEED_VERSIONS = //p' src/deepspeed_zero3/_compat.py | tr -d '(),"')
+DEFAULT_DEEPSPEED_VERSION := 0.19.8
+DEEPSPEED_VERSION ?= $(DEFAULT_DEEPSPEED_VERSION)
+ifeq ($(filter $(DEEPSPEED_VERSION),$(SUPPORTED_DEEPSPEED_VERSIONS)),)
+$(error DEEPSPEED_VERSION=$(DEEPSPEED_VERSION) is not supported; pick one of: $(SUPPORTED_DEEPSPEED_VERSIONS))
+endif
+ifeq ($(DEEPSPEED_VERSION),$(DEFAULT_DEEPSPEED_VERSION))
 VENV ?= .venv
+else
+VENV ?= .venv-$(DEEPSPEED_VERSION)
+# The op cache is per deepspeed release: one shared between releases is rebuilt by each of them in turn.
+export TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/.torch_extensions
+endif
 BIN := $(VENV)/bin
 PORT ?= 29500
 NPROC ?= 2
@@ -19,7 +33,7 @@ LAUNCH = $(BIN)/deepspeed --num_gpus $(NPROC) --master_port $(PORT)
 RELEASE_SHM = status=$$?; rm -f /dev/shm/deepspeed_allreduce_buffer_$$(id -u)_*_$(PORT)_*; exit $$status
 DIST_PYTEST = --no_local_rank --module pytest -q -p no:cacheprovider
 
-.PHONY: venv venv-int demo test test-unit test-parity test-distributed test-world4 test-integration bench soak clean-locks clean \
+.PHONY: venv venv-int demo test test-smoke test-versions test-unit test-parity test-distributed test-world4 test-integration bench soak clean-locks clean \
 	test-gpu gpu-wheels gpu-check
 
 $(BIN)/python:
@@ -28,12 +42,13 @@ $(BIN)/python:
 
 $(VENV)/.installed: $(BIN)/python pyproject.toml setup.py $(shell find src -name '*.py' -o -name '*.pth')
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q deepspeed==0.19.8
+	$(BIN)/pip install -q deepspeed==$(DEEPSPEED_VERSION)
 	$(BIN)/pip install -q ".[test]"
 	touch $@
 
 # DeepSpeed's async_io op, for NVMe parameter offload (needs libaio-dev: `apt-get install libaio-dev`; .ci/run
 # installs it). Without libaio the NVMe parity scenario records why it could not run.
+NVME_OP ?= 1
 define AIO_BUILD
 from deepspeed.ops.op_builder import AsyncIOBuilder
 builder = AsyncIOBuilder()
@@ -48,7 +63,7 @@ export AIO_BUILD
 $(VENV)/.ops: $(VENV)/.installed
 	@find $(TORCH_EXTENSIONS_DIR) -name lock -delete 2>/dev/null || true
 	$(BIN)/python -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()"
-	$(BIN)/python -c "$$AIO_BUILD"
+	$(if $(filter 1,$(NVME_OP)),$(BIN)/python -c "$$AIO_BUILD")
 	touch $@
 
 venv: $(VENV)/.installed $(VENV)/.ops
@@ -58,7 +73,8 @@ venv: $(VENV)/.installed $(VENV)/.ops
 INT_DIR := tests/integration
 
 $(VENV)/.installed-int: $(VENV)/.installed $(INT_DIR)/requirements.txt $(INT_DIR)/constraints.txt
-	$(BIN)/pip install -q -c $(INT_DIR)/constraints.txt -r $(INT_DIR)/requirements.txt
+	sed 's/^deepspeed==.*/deepspeed==$(DEEPSPEED_VERSION)/' $(INT_DIR)/constraints.txt > $(VENV)/constraints.txt
+	$(BIN)/pip install -q -c $(VENV)/constraints.txt -r $(INT_DIR)/requirements.txt
 	touch $@
 
 venv-int: $(VENV)/.installed-int
@@ -71,6 +87,31 @@ demo: venv clean-locks
 	$(LAUNCH) examples/train_gpt.py; $(RELEASE_SHM)
 
 test: test-unit test-parity test-distributed test-world4 test-integration
+
+# A quick check of one release (CI runs it on the oldest supported one): the unit tests and one 2-rank parity
+# launch per runtime over a few scenarios.
+SMOKE_SCENARIOS ?= plain_mlp,train_eval_alternation,zero_init,checkpoint_round_trip
+test-smoke: venv clean-locks
+	$(BIN)/python -m pytest -q tests/unit
+	ZERO3_PARITY_WORLDS=2 ZERO3_PARITY_ONLY=$(SMOKE_SCENARIOS) $(BIN)/python -m pytest -q tests/parity/test_parity.py
+
+# Unit, distributed and parity tests against each supported release, one release at a time, each in its own
+# venv (make DEEPSPEED_VERSION=...); logs in versions-out/<release>/, then the table in docs/compat/versions.md.
+# A subset reruns only those (the table keeps the others' last results): make test-versions TEST_VERSIONS=0.19.4
+TEST_VERSIONS ?= $(SUPPORTED_DEEPSPEED_VERSIONS)
+VERSION_SUITES ?= unit distributed parity
+VERSIONS_OUT ?= versions-out
+test-versions:
+	@for v in $(TEST_VERSIONS); do \
+	  for suite in $(VERSION_SUITES); do \
+	    out=$(VERSIONS_OUT)/$$v; mkdir -p $$out; rm -f $$out/$$suite.*; start=$$(date +%s); \
+	    echo "test-versions: deepspeed $$v, $$suite (log $$out/$$suite.log)"; \
+	    env -u TORCH_EXTENSIONS_DIR $(MAKE) --no-print-directory test-$$suite DEEPSPEED_VERSION=$$v > $$out/$$suite.log 2>&1; \
+	    echo $$? > $$out/$$suite.rc; echo $$(( $$(date +%s) - start )) > $$out/$$suite.seconds; \
+	    tail -1 $$out/$$suite.log; \
+	  done; \
+	done
+	$(PYTHON) scripts/versions_table.py $(VERSIONS_OUT) docs/compat/versions.md
 
 test-unit: venv
 	$(BIN)/python -m pytest -q tests/unit

@@ -23,7 +23,7 @@ import os
 import sys
 import warnings
 
-from deepspeed_zero3._compat import KILL_SWITCH_ENV, OVERLAID_MODULES, SUPPORTED_DEEPSPEED_VERSIONS
+from deepspeed_zero3._compat import KILL_SWITCH_ENV, OVERLAID_MODULES, SUPPORTED_DEEPSPEED_VERSIONS, describe_supported
 
 _OFF_VALUES = {"0", "false", "off", "no"}
 _ON_VALUES = {"", "1", "true", "on", "yes"}
@@ -72,11 +72,13 @@ def overlay_decision():
     found = installed_deepspeed_version()
     if found is None:
         return False, "deepspeed is not installed"
+    # Membership, not a range: a release inside the span that was never run through test-versions is off too.
     if found not in SUPPORTED_DEEPSPEED_VERSIONS:
-        supported = ", ".join(SUPPORTED_DEEPSPEED_VERSIONS)
+        supported = describe_supported()
         _warn_once(("version", found),
                    f"deepspeed-zero3 supports deepspeed {supported}, but deepspeed {found} is installed; "
-                   f"the overlay is off and upstream's ZeRO-3 runtime runs unmodified.")
+                   f"the overlay is off and upstream's ZeRO-3 runtime runs unmodified. Install one of "
+                   f"{', '.join(SUPPORTED_DEEPSPEED_VERSIONS)} to use it.")
         return False, f"deepspeed {found} is not a supported version ({supported})"
     return True, f"deepspeed {found} is supported"
 

@@ -5,6 +5,7 @@ Lightning fresh-wrapper pattern with `AssertionError ... 'status': 'INFLIGHT'`.
 """
 
 import gc
+import weakref
 
 import psutil
 import pytest
@@ -209,16 +210,30 @@ def test_create_use_drop_cycles_stay_flat():
     torch.manual_seed(0)
     model = model_b()
     baseline_hooks = torch_hooks(model)
+    one_engine_hooks = None
     rss = []
     for cycle in range(200):
         engine = inference_engine(Wrapper(model), CONFIG)
         with torch.no_grad():
             engine(batch(cycle, rank()))
+        one_engine_hooks = one_engine_hooks or torch_hooks(model)
+        last = weakref.ref(engine)
         del engine
+        # An engine sits in reference cycles (upstream's closures hold it), so only the cyclic collector frees it,
+        # and when that runs can differ between ranks: a rank whose old engine still lives joins its registry while
+        # the other starts a new one. Seen on deepspeed 0.19.4 (rank 1 at pass 7 of a kept registry, rank 0 at
+        # pass 0 of a new one: the order check fired). Dropped here means collected, on every rank alike.
+        gc.collect()
         if cycle % 50 == 49:
-            gc.collect()
-            assert torch_hooks(model) == baseline_hooks, cycle
-            assert find_registry(model) is None and all_partitioned(model)
+            if last() is None:
+                assert torch_hooks(model) == baseline_hooks, cycle
+                assert find_registry(model) is None
+            else:
+                # deepspeed 0.19.4-0.19.6 keep the most recent engine alive (it goes when the next one is built;
+                # measured, gone from 0.19.7): it alone may still own the registry, none before it.
+                assert [type(o).__name__ for o in find_registry(model).live_owners()] == ["DeepSpeedZeRoOffload"]
+                assert torch_hooks(model) == one_engine_hooks, cycle
+            assert all_partitioned(model)
             rss.append(psutil.Process().memory_info().rss)
     # Flat after warm-up: the last 150 cycles may not grow the process by more than 20 MB
     # (the allocator keeps some slack; a leaked engine per cycle would be far more).

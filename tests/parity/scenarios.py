@@ -81,15 +81,17 @@ class Run:
         """sha256 over every parameter's full value, in named order; every rank takes part in the gather."""
         named = list(model.named_parameters())
         digest = hashlib.sha256()
-        with deepspeed.zero.GatheredParameters([p for _, p in named]):
-            for name, p in named:
+        for name, p in named:
+            # One parameter per gather: upstream 0.19.4-0.19.7's GatheredParameters over several parameters waits
+            # only for the last gloo all-gather (fixed in 0.19.8), so the others could still be arriving here.
+            with deepspeed.zero.GatheredParameters([p]):
                 value = p.detach().to("cpu", copy=True).contiguous()
-                digest.update(name.encode())
-                digest.update(str(tuple(value.shape)).encode())
-                digest.update(str(value.dtype).encode())
-                # numpy has no bfloat16: hash its bytes
-                raw = value.view(torch.uint8) if value.dtype == torch.bfloat16 else value
-                digest.update(raw.numpy().tobytes())
+            digest.update(name.encode())
+            digest.update(str(tuple(value.shape)).encode())
+            digest.update(str(value.dtype).encode())
+            # numpy has no bfloat16: hash its bytes
+            raw = value.view(torch.uint8) if value.dtype == torch.bfloat16 else value
+            digest.update(raw.numpy().tobytes())
         if key == "params_sha256":
             self.params_sha256 = digest.hexdigest()
         else:

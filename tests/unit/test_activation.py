@@ -17,14 +17,17 @@ from pathlib import Path
 import pytest
 
 from deepspeed_zero3 import __version__, activation
-from deepspeed_zero3._compat import OVERLAID_MODULES, SUPPORTED_DEEPSPEED_VERSIONS
+from deepspeed_zero3._compat import OVERLAID_MODULES, SUPPORTED_DEEPSPEED_VERSIONS, describe_supported
 
 REPO = Path(__file__).resolve().parents[2]
 PTH_SOURCE = REPO / "src" / "deepspeed_zero3_activate.pth"
 SITE_PACKAGES = Path(sysconfig.get_paths()["purelib"]).resolve()
 OFFLOAD = "deepspeed.runtime.zero.parameter_offload"
 COORDINATOR = "deepspeed.runtime.zero.partitioned_param_coordinator"
-SUPPORTED = SUPPORTED_DEEPSPEED_VERSIONS[0]
+# The release this venv holds (make test DEEPSPEED_VERSION=... picks it); it must be one of the supported set.
+SUPPORTED = activation.installed_deepspeed_version()
+assert SUPPORTED in SUPPORTED_DEEPSPEED_VERSIONS, (SUPPORTED, SUPPORTED_DEEPSPEED_VERSIONS)
+SUPPORTED_LIST = ", ".join(SUPPORTED_DEEPSPEED_VERSIONS)
 SKIPPED = "deepspeed-zero3: activation skipped ("
 
 
@@ -252,15 +255,63 @@ def test_unsupported_deepspeed_version_warns_once_and_runs_upstream(tmp_path):
     # The fake metadata comes first on sys.path, so it is what the version check reads.
     assert result["installed"] == "9.9.9"
     assert result["specs"] == ["None"] * 4
-    assert result["decision"] == [False, f"deepspeed 9.9.9 is not a supported version ({SUPPORTED})"]
+    assert result["decision"] == [False, "deepspeed 9.9.9 is not a supported version (0.19.4-0.19.8)"]
     upstream = SITE_PACKAGES / "deepspeed" / "runtime" / "zero"
     assert Path(result["offload_file"]).resolve() == upstream / "parameter_offload.py"
     assert Path(result["coordinator_file"]).resolve() == upstream / "partitioned_param_coordinator.py"
     assert result["ours_loaded"] == []
     assert result["runtime_warnings"] == [
-        f"deepspeed-zero3 supports deepspeed {SUPPORTED}, but deepspeed 9.9.9 is installed; "
-        "the overlay is off and upstream's ZeRO-3 runtime runs unmodified."
+        "deepspeed-zero3 supports deepspeed 0.19.4-0.19.8, but deepspeed 9.9.9 is installed; the overlay is off "
+        f"and upstream's ZeRO-3 runtime runs unmodified. Install one of {SUPPORTED_LIST} to use it."
     ]
+
+
+def test_the_supported_set_is_0_19_4_to_0_19_8():
+    assert SUPPORTED_DEEPSPEED_VERSIONS == ("0.19.4", "0.19.5", "0.19.6", "0.19.7", "0.19.8")
+    assert describe_supported() == "0.19.4-0.19.8"
+    assert describe_supported(("0.19.8", )) == "0.19.8"
+    assert describe_supported(("0.19.4", "0.19.6", "0.19.8")) == "0.19.4, 0.19.6, 0.19.8"
+
+
+@pytest.mark.parametrize("version", SUPPORTED_DEEPSPEED_VERSIONS)
+def test_every_supported_version_turns_the_overlay_on_silently(monkeypatch, version):
+    monkeypatch.delenv("DEEPSPEED_ZERO3", raising=False)
+    monkeypatch.setattr(activation, "_warned", set())
+    monkeypatch.setattr(activation, "installed_deepspeed_version", lambda: version)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert activation.overlay_decision() == (True, f"deepspeed {version} is supported")
+        assert activation.OverlayFinder().find_spec(OFFLOAD) is not None
+
+
+# Just below and above the range, a later minor, and a dev build of a supported release: membership, not a span.
+@pytest.mark.parametrize("version", ["0.19.3", "0.19.9", "0.20.0", "0.19.8+abc123"])
+def test_a_version_outside_the_supported_set_warns_once_and_runs_upstream(monkeypatch, version):
+    monkeypatch.delenv("DEEPSPEED_ZERO3", raising=False)
+    monkeypatch.setattr(activation, "_warned", set())
+    monkeypatch.setattr(activation, "installed_deepspeed_version", lambda: version)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        decisions = [activation.overlay_decision() for _ in range(3)]
+        specs = [activation.OverlayFinder().find_spec(name) for name in OVERLAID_MODULES]
+
+    assert decisions == [(False, f"deepspeed {version} is not a supported version (0.19.4-0.19.8)")] * 3
+    assert specs == [None, None]
+    assert [str(w.message) for w in caught] == [
+        f"deepspeed-zero3 supports deepspeed 0.19.4-0.19.8, but deepspeed {version} is installed; the overlay is "
+        f"off and upstream's ZeRO-3 runtime runs unmodified. Install one of {SUPPORTED_LIST} to use it."
+    ]
+
+
+def test_setup_py_requires_the_span_of_the_supported_set():
+    """setup.py's requirement comes from the same tuple (its function run alone: setup() would build)."""
+    import ast
+    source = (REPO / "setup.py").read_text()
+    function = next(node for node in ast.parse(source).body
+                    if isinstance(node, ast.FunctionDef) and node.name == "supported_deepspeed_requirement")
+    namespace = {"ast": ast, "os": os, "__file__": str(REPO / "setup.py")}
+    exec(ast.get_source_segment(source, function), namespace)
+    assert namespace["supported_deepspeed_requirement"]() == "deepspeed>=0.19.4,<=0.19.8"
 
 
 def test_missing_deepspeed_turns_the_overlay_off(monkeypatch):
@@ -285,7 +336,7 @@ def test_status_command_reports_active(tmp_path):
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert lines[0] == f"deepspeed-zero3 {__version__}: overlay ACTIVE (deepspeed {SUPPORTED} is supported)"
-    assert lines[1] == f"upstream deepspeed: {SUPPORTED} (supported: {SUPPORTED})"
+    assert lines[1] == f"upstream deepspeed: {SUPPORTED} (supported: {SUPPORTED_LIST})"
     ours = SITE_PACKAGES / "deepspeed_zero3" / "runtime" / "zero"
     assert module_lines(lines[2:]) == {
         COORDINATOR: ours / "partitioned_param_coordinator.py",
@@ -298,7 +349,7 @@ def test_status_command_reports_kill_switch(tmp_path):
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert lines[0] == f"deepspeed-zero3 {__version__}: overlay INACTIVE (DEEPSPEED_ZERO3=0 (kill switch))"
-    assert lines[1] == f"upstream deepspeed: {SUPPORTED} (supported: {SUPPORTED})"
+    assert lines[1] == f"upstream deepspeed: {SUPPORTED} (supported: {SUPPORTED_LIST})"
     upstream = SITE_PACKAGES / "deepspeed" / "runtime" / "zero"
     assert module_lines(lines[2:]) == {
         COORDINATOR: upstream / "partitioned_param_coordinator.py",

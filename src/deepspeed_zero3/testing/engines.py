@@ -45,9 +45,13 @@ def inference_engine(model, config: dict):
 
 def gathered_copies(params) -> list:
     """Full copies of ZeRO-3 parameters (gathered on every rank), for bitwise comparison after release."""
-    params = list(params)
-    with deepspeed.zero.GatheredParameters(params):
-        return [p.detach().clone() for p in params]
+    copies = []
+    for param in params:
+        # One parameter per gather: upstream 0.19.4-0.19.7's GatheredParameters over several parameters waits only
+        # for the last gloo all-gather (fixed in 0.19.8), so the others could still be arriving when copied.
+        with deepspeed.zero.GatheredParameters([param]):
+            copies.append(param.detach().clone())
+    return copies
 
 
 def batch(step: int, rank: int, shape=(4, 16), seed: int = 1234) -> torch.Tensor:

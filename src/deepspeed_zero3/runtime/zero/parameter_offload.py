@@ -45,6 +45,7 @@ from deepspeed_zero3.runtime.zero.ordered_dict import (FWD_MODULE_STACK, ZeROOrd
 from deepspeed_zero3.runtime.zero.param_registry import ParamStateRegistry, find_registry
 from deepspeed_zero3.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
 from deepspeed_zero3.runtime.zero.settings import PrefetchSettings
+from deepspeed_zero3.runtime.zero.upstream_features import refuse_uncovered_features
 
 
 def _not_supported(feature: str) -> NotImplementedError:
@@ -89,6 +90,7 @@ class DeepSpeedZeRoOffload:
         zero_module_granularity_threshold=0,
         log_trace_cache_warnings=False,
     ):
+        refuse_uncovered_features(self, module)  # [Note: features, not version numbers]
         if zenflow:
             raise _not_supported("ZenFlow (zero_optimization.zenflow)")
         if zero_module_granularity_threshold and zero_module_granularity_threshold > 0:

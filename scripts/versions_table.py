@@ -1,0 +1,124 @@
+"""Write docs/compat/versions.md from what `make test-versions` left in its results folder.
+
+    python scripts/versions_table.py RESULTS_DIR OUTPUT_MD
+
+RESULTS_DIR holds one folder per deepspeed release, each with ``<suite>.log`` (the suite's whole output),
+``<suite>.rc`` (its exit status) and ``<suite>.seconds``. Counts are read from pytest's closing lines
+("3 passed, 1 skipped in 2.1s"); a distributed suite prints one per rank, and the table shows rank 0's with a
+note when the ranks disagree. A supported release without results is listed as not run, so the table never
+hides one. Standard library only: it runs with any python.
+"""
+
+import datetime
+import re
+import sys
+from pathlib import Path
+
+SUITES = ("unit", "distributed", "parity")
+OUTCOMES = ("passed", "failed", "error", "skipped", "xfailed", "xpassed")
+_SUMMARY = re.compile(r"((?:\d+ (?:passed|failed|errors?|skipped|xfailed|xpassed|deselected|warnings?)"
+                      r"(?:, )?)+) in [\d.]+s")
+_COUNT = re.compile(r"(\d+) (passed|failed|errors?|skipped|xfailed|xpassed)")
+# The distributed harness ends a rank at its first failure, before pytest's closing line; it names the test.
+_FAILED = re.compile(r"^(?:\[rank \d+\] )?FAILED (\S+)")
+
+
+def supported_versions(repo: Path):
+    text = (repo / "src" / "deepspeed_zero3" / "_compat.py").read_text()
+    line = next(line for line in text.splitlines() if line.startswith("SUPPORTED_DEEPSPEED_VERSIONS = "))
+    return re.findall(r'"([^"]+)"', line)
+
+
+def summaries(log_text: str):
+    """Counts of every pytest closing line in a log, in order (one per rank for the distributed suite)."""
+    found = []
+    # Searched, not matched per line: the ranks' closing lines can land on one line of the log.
+    for match in _SUMMARY.finditer(log_text):
+        counts = dict.fromkeys(OUTCOMES, 0)
+        for number, outcome in _COUNT.findall(match.group(1)):
+            counts["error" if outcome.startswith("error") else outcome] += int(number)
+        found.append(counts)
+    return found
+
+
+def read_suite(folder: Path, suite: str):
+    """None when the suite did not run for this release; else rc, seconds, counts and any disagreement."""
+    log, rc = folder / f"{suite}.log", folder / f"{suite}.rc"
+    if not log.exists() or not rc.exists():
+        return None
+    seconds = folder / f"{suite}.seconds"
+    text = log.read_text(errors="replace")
+    found = summaries(text)
+    return {
+        "failed_tests": sorted({m.group(1) for m in map(_FAILED.match, text.splitlines()) if m}),
+        "rc": int(rc.read_text().strip() or -1),
+        "seconds": int(seconds.read_text().strip()) if seconds.exists() else None,
+        "counts": found[0] if found else None,
+        "ranks": len(found),
+        "ranks_agree": all(counts == found[0] for counts in found),
+    }
+
+
+def cell(result) -> str:
+    if result is None:
+        return "not run"
+    counts = result["counts"]
+    if counts is None:
+        if result["failed_tests"]:
+            return (f"FAIL: stopped at its first failure (exit {result['rc']}): "
+                    + ", ".join(f"`{name}`" for name in result["failed_tests"]))
+        return f"no pytest summary (exit {result['rc']})"
+    parts = [f"{counts['passed']} passed", f"{counts['failed'] + counts['error']} failed"]
+    parts += [f"{counts[k]} {k}" for k in ("skipped", "xfailed", "xpassed") if counts[k]]
+    green = result["rc"] == 0 and counts["failed"] == counts["error"] == 0
+    text = ("ok: " if green else "FAIL: ") + ", ".join(parts)
+    if result["ranks"] > 1:
+        text += f" (each of {result['ranks']} ranks)" if result["ranks_agree"] else " (ranks disagree: rank 0 shown)"
+    if result["seconds"] is not None:
+        text += f"; {result['seconds']} s"
+    return text
+
+
+def render(results_dir: Path, versions, today: str) -> str:
+    lines = [
+        "# Supported deepspeed releases",
+        "",
+        "Written by `make test-versions` (scripts/versions_table.py) from the logs in `versions-out/`; do not edit",
+        "by hand. Each release runs in its own venv (torch 2.13.0 CPU, `deepspeed==<release>`, this package), one",
+        "release at a time: unit tests, the distributed tests (2 ranks, gloo) and the parity tests (ours vs",
+        "upstream's runtime of the same release, bitwise, 2 and 4 ranks). Counts are pytest's closing lines;",
+        "`failed` includes errors; `not run` means that suite was not run for that release in the run this table",
+        "comes from.",
+        "",
+        f"Last written: {today}.",
+        "",
+        "| deepspeed | " + " | ".join(SUITES) + " |",
+        "|---|" + "---|" * len(SUITES),
+    ]
+    for version in versions:
+        folder = results_dir / version
+        row = [cell(read_suite(folder, suite)) for suite in SUITES]
+        lines.append(f"| {version} | " + " | ".join(row) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv):
+    if len(argv) != 3:
+        sys.stderr.write(__doc__)
+        return 2
+    results_dir, output = Path(argv[1]), Path(argv[2])
+    repo = Path(__file__).resolve().parent.parent
+    versions = supported_versions(repo)
+    extra = sorted(p.name for p in results_dir.iterdir() if p.is_dir() and p.name not in versions) \
+        if results_dir.is_dir() else []
+    if extra:
+        sys.stderr.write(f"versions_table: ignoring results of unsupported releases {extra}\n")
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(render(results_dir, versions, datetime.datetime.now(datetime.timezone.utc)
+                             .strftime("%Y-%m-%d %H:%M UTC")))
+    print(output.read_text(), end="")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
