@@ -37,6 +37,8 @@ import deepspeed.runtime.zero.partitioned_param_coordinator as partitioned_param
 from deepspeed_zero3.testing.engines import (batch, inference_engine, mse_loss, token_batch, train_step,
                                              training_engine, zero3_config)
 from deepspeed_zero3.testing.models import ResidualMLPBlock, TinyGPT, model_b
+from scenarios_granularity import (granularity_gpt_attention_leaves, granularity_gpt_block_leaves,
+                                   granularity_gpt_none_qualifies, granularity_user_leaves_fast_sharding)
 
 STEPS = 5
 PREFETCH = dict(bucket=20_000, reuse=0)  # buckets small enough that Model B prefetches
@@ -400,6 +402,10 @@ SCENARIOS = {
         gathered_parameters_in_loop,
         checkpoint_round_trip,
         inference_only,
+        granularity_gpt_none_qualifies,
+        granularity_gpt_attention_leaves,
+        granularity_gpt_block_leaves,
+        granularity_user_leaves_fast_sharding,
     ],
     4: [plain_mlp, uneven_world4],
 }

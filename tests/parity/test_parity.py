@@ -102,7 +102,8 @@ def test_parity(runs, world, name):
         for rank, (a, b) in enumerate(zip(ours["losses_by_rank"], theirs["losses_by_rank"])) if a != b)
     assert ours["losses"] == theirs["losses"]
     assert ours["params_sha256"] == theirs["params_sha256"], "final parameters differ (losses equal)"
-    for key in ("continued_params_sha256", "losses_continued", "losses_resumed", "resumed_equals_continued", "tied"):
+    same = tuple(key for key in theirs if key.startswith("same_"))  # a scenario's own values to compare
+    for key in ("continued_params_sha256", "losses_continued", "losses_resumed", "resumed_equals_continued", "tied") + same:
         if key in theirs:
             assert ours[key] == theirs[key], key
     if "resumed_equals_continued" in theirs:

@@ -34,6 +34,7 @@ from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 from deepspeed.utils.logging import logger
 
 from deepspeed_zero3.runtime.zero.gather import Gatherer, InflightParamRegistry, held_by_gathered_parameters
+from deepspeed_zero3.runtime.zero.leaf_granularity import FastLeafSharding
 from deepspeed_zero3.runtime.zero.module_params import fetch_params, iter_params
 from deepspeed_zero3.runtime.zero.prefetch import PassPrefetcher
 from deepspeed_zero3.runtime.zero.rank_agreement import (CHECK_RANKS_ENV, PassOrderCheck, check_ranks_from_env,
@@ -90,6 +91,9 @@ class PartitionedParameterCoordinator:
         self.zero_quantized_weights = zero_quantized_weights
         self.zero_quantized_nontrainable_weights = zero_quantized_nontrainable_weights
         self.fast_sharding_for_leaf_module = fast_sharding_for_leaf_module
+        self.leaf_sharding = FastLeafSharding(fast_sharding_for_leaf_module)
+        # ZenFlow's transposition of fetched parameters (zenflow_params.py); set by the engine that asks for it.
+        self.param_layout = None
         self.log_trace_cache_warnings = log_trace_cache_warnings
         self.timers = timers
         self.hierarchy = 0  # upstream's attribute; stage 3 sets it
@@ -322,13 +326,18 @@ class PartitionedParameterCoordinator:
             for param in params:
                 param.ds_active_sub_modules.add(current_submodule.ds_id)
             self._gather(params, prefetch=False)
-            self.gatherer.wait(params)
+            if self.leaf_sharding.applies_to(current_submodule):
+                self.leaf_sharding.wait(self.gatherer, params)
+            else:
+                self.gatherer.wait(params)
             for param in params:
                 if param.ds_status != ZeroParamStatus.AVAILABLE:
                     raise RuntimeError(f"deepspeed-zero3: parameter ds_id={param.ds_id} shape={tuple(param.ds_shape)} "
                                        f"of module {type(current_submodule).__name__} ds_id={current_submodule.ds_id} "
                                        f"is {param.ds_status.name} after its fetch at step {step}; expected AVAILABLE")
             self._prefetch(step)
+            if self.param_layout is not None:
+                self.param_layout.after_fetch(current_submodule)
 
     def _observe(self, module: Module) -> int:
         outcome = self.progress.observe(module)
@@ -384,6 +393,7 @@ class PartitionedParameterCoordinator:
                 return
             step = self.progress.step if self.progress is not None else -1
             prefetcher = self.current_prefetcher()
+            partition = self.leaf_sharding.releaser() if self.leaf_sharding.applies_to(submodule) else None
             for param in fetch_params(submodule, strict=False):
                 param.ds_active_sub_modules.discard(submodule.ds_id)
                 if (param.ds_persist or param.is_external_param or param.ds_active_sub_modules
@@ -397,7 +407,9 @@ class PartitionedParameterCoordinator:
                 if self._reuse_keeps(param, step):
                     self.reuse_kept[param] = None
                     continue
-                self._release(param)
+                self._release(param, partition)
+            if self.param_layout is not None:
+                self.param_layout.after_release(submodule)
             if not forward:
                 self.active_backward.pop(submodule.ds_id, None)
 
@@ -419,7 +431,8 @@ class PartitionedParameterCoordinator:
                 return trace.numel_between(step + 1, len(trace)) + backward.numel_between(0, first) < limit
         return False
 
-    def _release(self, param: Parameter) -> None:
+    def _release(self, param: Parameter, partition=None) -> None:
+        """``partition``: how to partition it, if not ``param.partition()`` (fast leaf sharding)."""
         if held_by_gathered_parameters(param):
             # Left exactly as it is, bookkeeping included: the context partitions it at its exit on every
             # rank, and whatever we kept it for stays counted the same way on every rank.
@@ -430,7 +443,10 @@ class PartitionedParameterCoordinator:
         # left it registered. Released unregistered, it would be refused as "in flight" at its next gather.
         self.inflight.pop(param, None)
         if param.ds_status == ZeroParamStatus.AVAILABLE and not param.ds_active_sub_modules:
-            param.partition()
+            if partition is None:
+                param.partition()
+            else:
+                partition(param)
         self._forget(param)
 
     def _forget(self, param: Parameter) -> None:
@@ -446,6 +462,8 @@ class PartitionedParameterCoordinator:
         """Complete every gather in flight and release every gathered parameter of ours not in ``keep``."""
         with self.lock:
             self.gatherer.wait_all()
+            if self.param_layout is not None:
+                self.param_layout.restore_all()
             keep = set(keep)
             for param in list(self.live):
                 if param in keep and param.ds_status == ZeroParamStatus.AVAILABLE:
@@ -495,6 +513,8 @@ class PartitionedParameterCoordinator:
         """Release every parameter of ``module``, persistent ones included (stage 3 calls this at step())."""
         with self.lock:
             self.reset_step()
+            if self.param_layout is not None:
+                self.param_layout.restore_all()
             # Plain parameters of modules attached after initialize are not ours (warn_unmanaged, ordered_dict.py).
             params = [p for p in iter_params(module, recurse=True) if hasattr(p, "ds_id")]
             for param in params:
