@@ -76,8 +76,9 @@ def test_released_leaf_parameters_hold_upstreams_placeholder():
     seen = {}
 
     def probe(module, args, output):
-        for name, param in (("leaf", model.blocks[0].attn.qkv.weight), ("plain", model.tok.weight)):
-            assert param.ds_status == ZeroParamStatus.NOT_AVAILABLE
+        # ln_f ran just before the LM head, and nothing keeps it (no prefetch, reuse 0).
+        for name, param in (("leaf", model.blocks[0].attn.qkv.weight), ("plain", model.ln_f.weight)):
+            assert param.ds_status == ZeroParamStatus.NOT_AVAILABLE, name
             seen[name] = (tuple(param.data.shape), param.data.dtype)
 
     handle = model.lm_head.register_forward_hook(probe)
