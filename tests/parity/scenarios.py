@@ -45,6 +45,8 @@ from scenarios_compile import (compile_aot_eager_llama, compile_aot_eager_llama_
                                compile_eager_mlp_default_buckets,
                                compile_inductor_llama, compile_inductor_llama_default_buckets, compile_inductor_mlp,
                                compile_inductor_mlp_default_buckets, deepcompile_eager_fallback)
+from scenarios_granularity import (granularity_gpt_attention_leaves, granularity_gpt_block_leaves,
+                                   granularity_gpt_none_qualifies, granularity_user_leaves_fast_sharding)
 
 STEPS = 5
 PREFETCH = dict(bucket=20_000, reuse=0)  # buckets small enough that Model B prefetches
@@ -427,6 +429,10 @@ SCENARIOS = {
         compile_inductor_llama,
         compile_inductor_llama_default_buckets,
         deepcompile_eager_fallback,
+        granularity_gpt_none_qualifies,
+        granularity_gpt_attention_leaves,
+        granularity_gpt_block_leaves,
+        granularity_user_leaves_fast_sharding,
     ],
     4: [plain_mlp, uneven_world4],
 }

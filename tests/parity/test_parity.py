@@ -112,8 +112,9 @@ def test_parity(runs, world, name):
         for rank, (a, b) in enumerate(zip(ours["losses_by_rank"], theirs["losses_by_rank"])) if a != b)
     assert ours["losses"] == theirs["losses"]
     assert ours["params_sha256"] == theirs["params_sha256"], "final parameters differ (losses equal)"
+    same = tuple(key for key in theirs if key.startswith("same_"))  # a scenario's own values to compare
     for key in ("continued_params_sha256", "losses_continued", "losses_resumed", "resumed_equals_continued", "tied",
-                "fallback_gathered", "fallback_released"):
+                "fallback_gathered", "fallback_released") + same:
         if key in theirs:
             assert ours[key] == theirs[key], key
     if "resumed_equals_continued" in theirs:

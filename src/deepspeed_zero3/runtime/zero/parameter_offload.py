@@ -40,17 +40,14 @@ from deepspeed_zero3.runtime.zero.partitioned_param_coordinator import iter_para
 
 from deepspeed_zero3.runtime.zero.gather import InflightParamRegistry
 from deepspeed_zero3.runtime.zero.hooks import handle_is_live
+from deepspeed_zero3.runtime.zero.leaf_granularity import apply_granularity_threshold, check_granularity_threshold
 from deepspeed_zero3.runtime.zero.ordered_dict import (FWD_MODULE_STACK, ZeROOrderedDict, ensure_zero_ordered_dict,
                                                        inject_zero_ordered_dicts)
 from deepspeed_zero3.runtime.zero.param_registry import ParamStateRegistry, find_registry
 from deepspeed_zero3.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
 from deepspeed_zero3.runtime.zero.settings import PrefetchSettings
 from deepspeed_zero3.runtime.zero.upstream_features import refuse_uncovered_features
-
-
-def _not_supported(feature: str) -> NotImplementedError:
-    return NotImplementedError(f"{feature} is not supported by deepspeed-zero3 yet; set DEEPSPEED_ZERO3=0 to run "
-                               f"upstream's ZeRO-3 runtime for this job")
+from deepspeed_zero3.runtime.zero.zenflow_params import ZenFlowParamLayout, check_zenflow_params
 
 
 def _group_ranks(group):
@@ -91,10 +88,7 @@ class DeepSpeedZeRoOffload:
         log_trace_cache_warnings=False,
     ):
         refuse_uncovered_features(self, module)  # [Note: features, not version numbers]
-        if zenflow:
-            raise _not_supported("ZenFlow (zero_optimization.zenflow)")
-        if zero_module_granularity_threshold and zero_module_granularity_threshold > 0:
-            raise _not_supported(f"stage3_module_granularity_threshold={zero_module_granularity_threshold}")
+        zero_module_granularity_threshold = check_granularity_threshold(zero_module_granularity_threshold or 0)
         self.settings = PrefetchSettings.from_config_values(prefetch_bucket_size, max_live_parameters,
                                                             max_reuse_distance)
         self.module = module
@@ -108,7 +102,9 @@ class DeepSpeedZeRoOffload:
         self.zero_quantized_weights = zero_quantized_weights
         self.zero_quantized_nontrainable_weights = zero_quantized_nontrainable_weights
         self.log_trace_cache_warnings = log_trace_cache_warnings
-        self.fast_sharding_for_leaf_module = False
+        self.zero_module_granularity_threshold = zero_module_granularity_threshold
+        # Upstream's meaning: any threshold turns on fast sharding of z3 leaves ([Note: fast sharding for leaf modules]).
+        self.fast_sharding_for_leaf_module = zero_module_granularity_threshold > 0
         if offload_param_config is not None and offload_param_config.device != OffloadDeviceEnum.none:
             self.offload_device = offload_param_config.device
             self.offload_param_pin_memory = offload_param_config.pin_memory
@@ -130,6 +126,14 @@ class DeepSpeedZeRoOffload:
         inject_zero_ordered_dicts(module)
         self.persistent_parameters = self.mark_persistent_parameters(self.param_numel_persistence_threshold,
                                                                      self.model_persistence_threshold)
+        if zenflow:
+            check_zenflow_params(module.named_parameters())
+        if zero_module_granularity_threshold > 0:
+            # Before the tree is numbered, as upstream: numbering stops at z3 leaves ([Note: module granularity]).
+            selection = apply_granularity_threshold(module, zero_module_granularity_threshold)
+            self.z3_leaf_layers = selection.leaves
+            self.min_granularity_value = selection.smallest_value
+            self.min_granularity_layer = selection.smallest_class
 
         if registry is None:
             coordinator = PartitionedParameterCoordinator(
@@ -144,7 +148,10 @@ class DeepSpeedZeRoOffload:
                 zero_quantized_nontrainable_weights=zero_quantized_nontrainable_weights,
                 log_trace_cache_warnings=log_trace_cache_warnings,
                 data_parallel_group=dp_process_group,
+                fast_sharding_for_leaf_module=self.fast_sharding_for_leaf_module,
             )
+            if zenflow:
+                coordinator.param_layout = ZenFlowParamLayout()
             registry = ParamStateRegistry(coordinator, fixed)
         self.registry = registry
         self.param_coordinator = registry.coordinator
@@ -161,6 +168,9 @@ class DeepSpeedZeRoOffload:
             "dtype": self.dtype,
             "stage3_param_persistence_threshold": int(self.param_numel_persistence_threshold),
             "stage3_model_persistence_threshold": int(self.model_persistence_threshold),
+            # Both change how every module of the tree is fetched (its leaves, its parameters' layout).
+            "stage3_module_granularity_threshold": self.zero_module_granularity_threshold,
+            "zenflow": bool(self.zenflow),
         }
 
     @staticmethod

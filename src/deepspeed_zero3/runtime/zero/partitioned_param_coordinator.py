@@ -72,6 +72,7 @@ from deepspeed_zero3.runtime.zero.module_params import named_fetch_params
 from deepspeed_zero3.runtime.zero.eager import eager_only
 from deepspeed_zero3.runtime.zero.gather import Gatherer, InflightParamRegistry, held_by_gathered_parameters
 from deepspeed_zero3.runtime.zero.keeping import BackwardKeeping
+from deepspeed_zero3.runtime.zero.leaf_granularity import FastLeafSharding
 from deepspeed_zero3.runtime.zero.module_params import fetch_params, iter_params
 from deepspeed_zero3.runtime.zero.prediction import FirstPassPrediction
 from deepspeed_zero3.runtime.zero.nvme_swap import (NvmeSwapIns, blocks_gather, on_nvme,
@@ -129,6 +130,9 @@ class PartitionedParameterCoordinator:
         self.zero_quantized_weights = zero_quantized_weights
         self.zero_quantized_nontrainable_weights = zero_quantized_nontrainable_weights
         self.fast_sharding_for_leaf_module = fast_sharding_for_leaf_module
+        self.leaf_sharding = FastLeafSharding(fast_sharding_for_leaf_module)
+        # ZenFlow's transposition of fetched parameters (zenflow_params.py); set by the engine that asks for it.
+        self.param_layout = None
         self.log_trace_cache_warnings = log_trace_cache_warnings
         self.timers = timers
         self.hierarchy = 0  # upstream's attribute; stage 3 sets it
@@ -376,7 +380,10 @@ class PartitionedParameterCoordinator:
                 self._make_swap_room(params)
             self._gather(params, prefetch=False)
             with module_range("wait", current_submodule):
-                self.gatherer.wait(params)
+                if self.leaf_sharding.applies_to(current_submodule):
+                    self.leaf_sharding.wait(self.gatherer, params)
+                else:
+                    self.gatherer.wait(params)
             if self.swap_ins is not None:
                 persisted = persistent_partitions_in_memory(params)
                 if persisted:  # gathered for good: their NVMe partition buffers are not needed again
@@ -387,6 +394,8 @@ class PartitionedParameterCoordinator:
                                        f"of module {type(current_submodule).__name__} ds_id={current_submodule.ds_id} "
                                        f"is {param.ds_status.name} after its fetch at step {step}; expected AVAILABLE")
             self._prefetch(step, current_submodule)
+            if self.param_layout is not None:
+                self.param_layout.after_fetch(current_submodule)
 
     def _params_to_fetch(self, module: Module, step: int) -> Sequence[Parameter]:
         """``fetch_params(module)``, from the replayed trace when it holds them ([Note: cached parameter lists])."""
@@ -490,6 +499,7 @@ class PartitionedParameterCoordinator:
                 return
             step = self.progress.trace_step if self.progress is not None else -1
             prefetcher = self.current_prefetcher()
+            partition = self.leaf_sharding.releaser() if self.leaf_sharding.applies_to(submodule) else None
             for param in self._params_to_release(submodule):
                 param.ds_active_sub_modules.discard(submodule.ds_id)
                 if (param.ds_persist or param.is_external_param or param.ds_active_sub_modules
@@ -503,7 +513,9 @@ class PartitionedParameterCoordinator:
                 if self._reuse_keeps(param, step):
                     self.reuse_kept[param] = None
                     continue
-                self._release(param)
+                self._release(param, partition)
+            if self.param_layout is not None:
+                self.param_layout.after_release(submodule)
             if not forward:
                 self.active_backward.pop(submodule.ds_id, None)
 
@@ -522,7 +534,8 @@ class PartitionedParameterCoordinator:
         next_step = trace.next_use(param, step)
         return next_step is not None and trace.numel_between(step + 1, next_step) < limit
 
-    def _release(self, param: Parameter) -> None:
+    def _release(self, param: Parameter, partition=None) -> None:
+        """``partition``: how to partition it, if not ``param.partition()`` (fast leaf sharding)."""
         if held_by_gathered_parameters(param):
             # Left exactly as it is, bookkeeping included: the context partitions it at its exit on every
             # rank, and whatever we kept it for stays counted the same way on every rank.
@@ -533,7 +546,10 @@ class PartitionedParameterCoordinator:
         # left it registered. Released unregistered, it would be refused as "in flight" at its next gather.
         self.inflight.pop(param, None)
         if param.ds_status == ZeroParamStatus.AVAILABLE and not param.ds_active_sub_modules:
-            param.partition()
+            if partition is None:
+                param.partition()
+            else:
+                partition(param)
         self._forget(param)
 
     def _forget(self, param: Parameter) -> None:
@@ -549,6 +565,8 @@ class PartitionedParameterCoordinator:
         """Complete every gather in flight and release every gathered parameter of ours not in ``keep``."""
         with self.lock:
             self.gatherer.wait_all()
+            if self.param_layout is not None:
+                self.param_layout.restore_all()
             keep = set(keep)
             for param in list(self.live):
                 if param in keep and param.ds_status == ZeroParamStatus.AVAILABLE:
@@ -601,6 +619,8 @@ class PartitionedParameterCoordinator:
         """Release every parameter of ``module``, persistent ones included (stage 3 calls this at step())."""
         with self.lock:
             self.reset_step()
+            if self.param_layout is not None:
+                self.param_layout.restore_all()
             # Plain parameters of modules attached after initialize are not ours (warn_unmanaged, ordered_dict.py).
             params = [p for p in iter_params(module, recurse=True) if hasattr(p, "ds_id")]
             for param in params:
