@@ -49,8 +49,6 @@ ON_PURPOSE = [
     ("b", r"test_zero_hook_attribute_delegation\.py::TestHookAttributeDelegation", None,
      "asserts upstream's per-module hook attributes (pre_bwd_fn, post_bwd_fn, applied_pre_backward_ref_cnt); "
      "ours keeps that state in the module tree's registry"),
-    ("c", r".", r"stage3_module_granularity_threshold=\S+ is not supported by deepspeed-zero3",
-     "stage3_module_granularity_threshold, refused with NotImplementedError until it lands (issue 12)"),
 ]
 
 # ------------------------------------------------------------------------------------------ pytest plugin
