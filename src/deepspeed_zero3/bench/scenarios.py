@@ -13,7 +13,7 @@ from typing import Callable, List, Optional
 
 import torch
 
-from deepspeed_zero3.testing.engines import batch, mse_loss, training_engine, zero3_config
+from deepspeed_zero3.testing.engines import training_engine, zero3_config
 from deepspeed_zero3.testing.models import TinyGPT, Wrapper, model_a, model_b
 
 GENERATION_STEPS = 16  # no-grad forwards per generation cycle
@@ -165,13 +165,7 @@ def tiny_modules(bench) -> Plan:
     engine = training_engine(model, zero3_config(bucket=DEEPSPEED_DEFAULT_BUCKET, reuse=bench.args.reuse))
 
     def cycle(i):
-        x = batch(i, bench.rank, shape=(4, TINY_WIDTH)).to(bench.device)
-        with bench.phase("forward"):
-            loss = mse_loss(engine(x))
-        with bench.phase("backward"):
-            engine.backward(loss)
-        with bench.phase("step"):
-            engine.step()
+        bench.train_step(engine, i, shape=(4, TINY_WIDTH))
 
     # 8,000 fetches a cycle, each averaged: a few cycles are enough, and the meter's per-fetch walk over the
     # model's 4,000 parameters makes every cycle long (seconds), so this scenario runs fewer than the flags say.

@@ -186,8 +186,8 @@ class Bench:
     def inference_engine(self, model):
         return inference_engine(model, self.config)
 
-    def train_step(self, engine, step: int):
-        x = batch(step, self.rank).to(self.device)
+    def train_step(self, engine, step: int, shape=(4, 16)):
+        x = batch(step, self.rank, shape=shape).to(self.device)
         with self.phase("forward"):
             loss = mse_loss(engine(x))
         with self.phase("backward"):
