@@ -131,8 +131,9 @@ def test_zenflow_parameters_gathered_in_storage_layout_compute_transposed():
     for param in model.parameters():
         if param.dim() != 1:
             param.data = param.data.t().contiguous()  # ZenFlow's storage layout
+    # Reuse 0: nothing is kept for the backward ([Note: budgeted keeping]), so every module releases at its end.
     offload = DeepSpeedZeRoOffload(model, timers=None, ds_config=zero3_config(), zenflow=True,
-                                   prefetch_bucket_size=0, param_persistence_threshold=0)
+                                   prefetch_bucket_size=0, max_reuse_distance=0, param_persistence_threshold=0)
     assert model.b.weight.ds_shape == torch.Size([10, 10]) and model.a.weight.ds_shape == torch.Size([6, 10])
     for step in range(3):
         x = torch.randn(4, 6, generator=torch.Generator().manual_seed(step + 10 * torch.distributed.get_rank()))
