@@ -117,12 +117,14 @@ class PassOrderCheck:
     def __init__(self, group=None):
         # The ranks that gather together: the engine's data-parallel group (None: the world).
         self.group = group
-        # (pass number, kind, ds_ids, modules): the pass's own lists, kept, not copied; the modules only
-        # name themselves in an error.
-        self.pending: List[Tuple[int, PassKind, Sequence[int], Sequence[Module]]] = []
+        # (pass number, kind, ds_ids, module classes): the ds_ids list is the pass's own, kept, not copied. Classes,
+        # not modules: no-grad passes wait here for up to MAX_PENDING_PASSES passes, and a module would keep
+        # alive whatever holds it (a dropped engine's wrapper and, through its hooks, the engine); a class only
+        # names a module in an error.
+        self.pending: List[Tuple[int, PassKind, Sequence[int], Tuple[type, ...]]] = []
 
     def add(self, number: int, kind: PassKind, ids: Sequence[int], modules: Sequence[Module]) -> None:
-        self.pending.append((number, kind, ids, modules))
+        self.pending.append((number, kind, ids, tuple(type(m) for m in modules)))
 
     def due(self, kind: PassKind) -> bool:
         """Check after a backward (where the runtime stops anyway), and after MAX_PENDING_PASSES passes that
@@ -162,7 +164,7 @@ class PassOrderCheck:
         position = next((i for i, (a, b) in enumerate(zip(reference, other)) if a != b), min(len(reference),
                                                                                             len(other)))
         # Modules are named from what this rank ran in the window (ds_ids are the same on every rank).
-        names = {m.ds_id: type(m).__name__ for *_, modules in pending for m in modules}
+        names = {ds_id: cls.__name__ for _, _, ids, classes in pending for ds_id, cls in zip(ids, classes)}
         ranks = group_ranks(self.group, len(orders))
         parts = [f"rank {ranks[i]}: {where(orders[i], position, names)}" for i in (0, differing)]
         covered = f"passes {pending[0][0]}..{pending[-1][0]}" if pending else "no pass on this rank"
