@@ -55,11 +55,18 @@ def test_eager_only_runs_the_function_and_keeps_its_name():
 
 
 def test_importing_the_runtime_does_not_import_dynamo():
+    """Ours adds no torch._dynamo import to what upstream's own imports of these modules bring (deepspeed
+    0.19.4-0.19.7's runtime/compiler.py imports torch._dynamo itself; 0.19.8's does not)."""
     code = ("import sys\n"
+            "import deepspeed.runtime.compiler, deepspeed.runtime.zero.partition_parameters\n"
+            "upstream = 'torch._dynamo' in sys.modules\n"
             "import deepspeed_zero3.runtime.zero.hooks, deepspeed_zero3.runtime.zero.partitioned_param_coordinator\n"
             "import deepspeed_zero3.runtime.zero.parameter_offload\n"
-            "print('torch._dynamo' in sys.modules)\n")
+            "print(upstream, 'torch._dynamo' in sys.modules)\n")
     env = dict(os.environ, DS_ACCELERATOR="cpu")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip().splitlines()[-1] == "False"
+    upstream, ours = out.stdout.strip().splitlines()[-1].split()
+    if upstream == "True":
+        pytest.skip("this deepspeed release imports torch._dynamo itself")
+    assert ours == "False"
