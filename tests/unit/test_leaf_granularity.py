@@ -197,5 +197,5 @@ def test_subtree_over_the_max_leaf_size_is_never_a_leaf():
 
 @pytest.mark.parametrize("bad", [-1, 1.5, "100", True])
 def test_bad_threshold_is_named(bad):
-    with pytest.raises(ValueError, match=r"stage3_module_granularity_threshold must be an integer >= 0"):
+    with pytest.raises(ValueError, match=r"zero_optimization.stage3_module_granularity_threshold=.* is not allowed"):
         check_granularity_threshold(bad)

@@ -53,6 +53,7 @@ from deepspeed.runtime.zero.partition_parameters import AllGatherCoalescedHandle
 from deepspeed.utils import logger, set_z3_leaf_module, z3_leaf_module
 
 from deepspeed_zero3.runtime.zero.gather import MAX_QUEUED_FETCH_EVENTS
+from deepspeed_zero3.runtime.zero.settings import validate_numel
 
 # Upstream's bound on a leaf's subtree numel (a float there too: compared with ints).
 Z3_MAX_LEAF_SIZE = 1e9
@@ -149,9 +150,8 @@ def apply_granularity_threshold(root: Module, threshold: int) -> LeafSelection:
 
 
 def check_granularity_threshold(value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"stage3_module_granularity_threshold must be an integer >= 0 (0: off), got {value!r}")
-    return value
+    """The threshold as a numel (0: off), validated like every other ``stage3_*`` numel (settings.py)."""
+    return validate_numel("stage3_module_granularity_threshold", value)
 
 
 class FastLeafSharding:
