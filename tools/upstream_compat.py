@@ -29,12 +29,14 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 TEST_DIRS = ("unit/v1/zero", "unit/runtime/zero", "unit/v1/compile", "unit/checkpoint")
 RUNTIMES = {"upstream": "0", "ours": "1"}
+SHM, SHM_PATTERN = Path("/dev/shm"), f"deepspeed_allreduce_buffer_{os.getuid()}_*"
 ENV = {"DS_ACCELERATOR": "cpu", "LOCAL_SIZE": "4", "DS_UNITTEST_TIMEOUT": "300"}
 SELECT_ENV = "ZERO3_COMPAT_SELECT"
 COLLECT_ENV = "ZERO3_COMPAT_COLLECT"
@@ -144,6 +146,17 @@ def log(message):
     print(f"[compat {datetime.datetime.now(datetime.timezone.utc):%H:%M:%S}] {message}", flush=True)
 
 
+def wait_while_paused(work: Path) -> None:
+    """Hold before the next file while ``<work>/PAUSE`` exists: timing benchmarks on this 2-core machine need
+    it to themselves, and a test stopped mid-run (SIGSTOP) would hit upstream's wall-clock test timeout."""
+    pause = work / "PAUSE"
+    if pause.exists():
+        log(f"paused: remove {pause} to go on")
+        while pause.exists():
+            time.sleep(5)
+        log("going on")
+
+
 def upstream_revision(upstream: Path) -> str:
     try:
         return subprocess.run(["git", "-C", str(upstream), "rev-parse", "HEAD"], capture_output=True, text=True,
@@ -235,16 +248,22 @@ def run_file(work: Path, test_file: str, nodeids, runtime: str, timeout: int) ->
     xml.parent.mkdir(exist_ok=True)
     xml.unlink(missing_ok=True)
     basetemp = work / "tmp" / f"{stem}.{runtime}"
+    basetemp.parent.mkdir(exist_ok=True)  # pytest makes --basetemp itself, not its parents
     command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "upstream_compat",
                f"--basetemp={basetemp}", f"--junitxml={xml}", "-rA", "--tb=long", f"tests/{test_file}"]
     log(f"{test_file}: {len(nodeids)} tests under {runtime}")
     (work / "logs").mkdir(exist_ok=True)
+    shm_before = set(SHM.glob(SHM_PATTERN))
     with open(work / "logs" / f"{stem}.{runtime}.log", "w") as output:
         try:
             rc = subprocess.run(command, cwd=work, env=child_env(runtime, **{SELECT_ENV: str(select)}),
                                 timeout=timeout, stdout=output, stderr=subprocess.STDOUT).returncode
         except subprocess.TimeoutExpired:
             rc = "timeout"
+    # Upstream's CPU allreduce leaves a 66 MB buffer per rank and port in /dev/shm; each test picks its own port,
+    # so a whole suite would fill the machine's memory. Only the buffers this file's run created are removed.
+    for leftover in set(SHM.glob(SHM_PATTERN)) - shm_before:
+        leftover.unlink(missing_ok=True)
     check_runtime(work / "logs" / f"{stem}.{runtime}.log", runtime)
     results = read_junit(xml, nodeids)
     log(f"{test_file} under {runtime}: rc {rc}, {counts(results)}")
@@ -425,6 +444,9 @@ def main(argv=None):
                         "stage-3 tests); other rows keep their earlier measurement")
     parser.add_argument("--collect-only", action="store_true", help="update the collected/stage-3 counts only")
     parser.add_argument("--render-only", action="store_true", help="rebuild the table from the results store only")
+    parser.add_argument("--resume", action="store_true",
+                        help="skip files the results store already holds a `make compat` run of from today "
+                        "(to continue a run that was stopped)")
     parser.add_argument("--timeout", type=int, default=1500, help="seconds per file and runtime")
     parser.add_argument("--results", type=Path, default=REPO / "docs/compat/upstream-unit-tests.json")
     parser.add_argument("--doc", type=Path, default=REPO / "docs/compat/upstream-unit-tests.md")
@@ -446,17 +468,24 @@ def main(argv=None):
     log(f"{sum(map(len, selected.values()))} stage-3 tests in {len(selected)} files "
         f"(of {len(collections['upstream']['items'])} collected)")
 
-    ran = {}
+    store = json.loads(args.results.read_text()) if args.results.exists() else {}
+
+    def save(ran):
+        update_store(store, collections, ran, upstream, today)
+        args.results.write_text(json.dumps(store, indent=1, sort_keys=True) + "\n")
+        args.doc.write_text(render(store))
+
+    save({})
     if not args.collect_only:
-        for test_file, nodeids in sorted(selected.items()):
+        # Smallest files first and the store written after each one: a run cut short (the whole suite takes
+        # hours on 2 cores) still leaves every finished file in the table.
+        for test_file, nodeids in sorted(selected.items(), key=lambda kv: (len(kv[1]), kv[0])):
             if args.files is not None and not any(test_file.endswith(f) for f in args.files):
                 continue
-            ran[test_file] = {rt: run_file(args.work, test_file, nodeids, rt, args.timeout) for rt in RUNTIMES}
-
-    store = json.loads(args.results.read_text()) if args.results.exists() else {}
-    update_store(store, collections, ran, upstream, today)
-    args.results.write_text(json.dumps(store, indent=1, sort_keys=True) + "\n")
-    args.doc.write_text(render(store))
+            if args.resume and ((store.get("files", {}).get(test_file) or {}).get("run") or {}).get("on") == today:
+                continue
+            wait_while_paused(args.work)
+            save({test_file: {rt: run_file(args.work, test_file, nodeids, rt, args.timeout) for rt in RUNTIMES}})
     log(f"wrote {args.results.relative_to(REPO)} and {args.doc.relative_to(REPO)}")
     unexplained = [d for e in store["files"].values() for d in (e.get("run") or {}).get("differences", [])
                    if not d["category"]]
