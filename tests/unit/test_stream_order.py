@@ -168,6 +168,28 @@ def test_a_coalesced_sibling_completed_under_another_stream(accelerator):
         assert waits_after(accelerator.log, start, "s2") == (1, True)
 
 
+def test_one_event_per_completed_gather(accelerator):
+    """[Note: one event per completed gather]: a and b share one coalesced gather. Waiting for both records one
+    event (upstream records two); a later wait for b, still registered, records none and still joins the
+    streams."""
+    ag = accelerator.new_stream("allgather")
+    inflight = InflightParamRegistry()
+    gatherer = Gatherer(ag, inflight)
+    a, b, c = (gatherable(accelerator, i) for i in range(3))
+    gatherer.submit([a, b])
+    gatherer.wait([a, b])
+    assert [entry[0] for entry in accelerator.log] == ["issue", "handle_wait", "record", "wait_stream"]
+    gatherer.submit([c])
+    gatherer.wait([c])
+    a.ds_status = b.ds_status = NOT_AVAILABLE  # released
+    gatherer.submit([a, b])
+    gatherer.wait([a])
+    start = len(accelerator.log)
+    gatherer.wait([b])
+    assert accelerator.log[start:] == [("wait_stream", "default", "allgather")]
+    assert [entry[0] for entry in accelerator.log].count("record") == 3  # one per gather: {a, b}, {c}, {a, b}
+
+
 @pytest.mark.parametrize("case", ["available", "persistent", "no_params"])
 def test_nothing_in_flight_still_waits(accelerator, case):
     ag, s1 = accelerator.new_stream("allgather"), accelerator.new_stream("s1")

@@ -23,6 +23,8 @@ def main(argv=None) -> int:
     parser.add_argument("--profile", action="store_true", help="print a cProfile of two more steps")
     parser.add_argument("--sort", default="tottime", help="cProfile sort key (default tottime)")
     parser.add_argument("--lines", type=int, default=30, help="cProfile lines shown (default 30)")
+    parser.add_argument("--dump", default=None, help="with --profile: also write the raw cProfile stats here "
+                        "(rank appended), for pstats' callers/callees views")
     args = parser.parse_args(argv)
 
     from deepspeed_zero3.testing.ports import free_port
@@ -79,6 +81,8 @@ def main(argv=None) -> int:
             step(i)
         profile.disable()
         pstats.Stats(profile).sort_stats(args.sort).print_stats(args.lines)
+        if args.dump:
+            profile.dump_stats(f"{args.dump}.{os.environ['RANK']}")
     sys.stdout.flush()
     os._exit(0)  # the process group and engine need no orderly teardown here
 

@@ -110,22 +110,26 @@ class Gatherer:
         for the backward. The stream running this module has not waited for that copy yet, and would read
         ``param.data`` before the gather has written it.
         """
+        accelerator = get_accelerator()
         for param in params:
             handle = self.inflight.pop(param, None)
-            if handle is None:
+            if handle is None or getattr(handle, "complete", False):
+                # [Note: one event per completed gather] A coalesced handle completes all its parameters at its
+                # first wait; that wait recorded the event that back-pressure counts. Upstream records one more
+                # per parameter of it, so the host would wait on up to two no-op events per fetch for nothing.
                 continue
-            with get_accelerator().stream(self.allgather_stream):
+            with accelerator.stream(self.allgather_stream):
                 while self.queued_events and self.queued_events[0].query():
                     self.queued_events.popleft()
                 if len(self.queued_events) > MAX_QUEUED_FETCH_EVENTS:
                     self.queued_events.popleft().synchronize()
                 handle.wait()
-                if not get_accelerator().handles_memory_backpressure():
-                    event = get_accelerator().Event()
+                if not accelerator.handles_memory_backpressure():
+                    event = accelerator.Event()
                     event.record()
                     self.queued_events.append(event)
-        if not get_accelerator().resolves_data_dependency():
-            get_accelerator().current_stream().wait_stream(self.allgather_stream)
+        if not accelerator.resolves_data_dependency():
+            accelerator.current_stream().wait_stream(self.allgather_stream)
 
     def wait_all(self) -> List[Parameter]:
         """Complete every gather in flight; returns the parameters that were in flight."""

@@ -72,6 +72,7 @@ from deepspeed_zero3.runtime.zero.module_params import named_fetch_params
 from deepspeed_zero3.runtime.zero.eager import eager_only
 from deepspeed_zero3.runtime.zero.gather import Gatherer, InflightParamRegistry, held_by_gathered_parameters
 from deepspeed_zero3.runtime.zero.keeping import BackwardKeeping
+from deepspeed_zero3.runtime.zero.release import release as release_gathered
 from deepspeed_zero3.runtime.zero.leaf_granularity import FastLeafSharding
 from deepspeed_zero3.runtime.zero.module_params import fetch_params, iter_params
 from deepspeed_zero3.runtime.zero.prediction import FirstPassPrediction
@@ -535,7 +536,7 @@ class PartitionedParameterCoordinator:
         return next_step is not None and trace.numel_between(step + 1, next_step) < limit
 
     def _release(self, param: Parameter, partition=None) -> None:
-        """``partition``: how to partition it, if not ``param.partition()`` (fast leaf sharding)."""
+        """``partition``: how to partition it, if not as ``param.partition()`` does (fast leaf sharding)."""
         if held_by_gathered_parameters(param):
             # Left exactly as it is, bookkeeping included: the context partitions it at its exit on every
             # rank, and whatever we kept it for stays counted the same way on every rank.
@@ -546,10 +547,7 @@ class PartitionedParameterCoordinator:
         # left it registered. Released unregistered, it would be refused as "in flight" at its next gather.
         self.inflight.pop(param, None)
         if param.ds_status == ZeroParamStatus.AVAILABLE and not param.ds_active_sub_modules:
-            if partition is None:
-                param.partition()
-            else:
-                partition(param)
+            (partition or release_gathered)(param)  # [Note: releasing a gathered parameter]
         self._forget(param)
 
     def _forget(self, param: Parameter) -> None:
