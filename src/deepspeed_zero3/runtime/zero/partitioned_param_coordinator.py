@@ -156,9 +156,9 @@ class PartitionedParameterCoordinator:
         self.reuse_kept: Dict[Parameter, None] = {}
         # Modules fetched in this backward whose post-backward hook has not fired yet.
         self.active_backward: Dict[int, Module] = {}
-        # Module ds_id -> (trace, step) its last fetch in this pass read its parameters from, so that its
-        # release reads them there too ([Note: cached parameter lists] in module_params.py).
-        self.fetched_from: Dict[int, Tuple[PassTrace, int]] = {}
+        # Module ds_id -> the parameter list its last fetch in this pass read from the replayed trace: its
+        # release covers exactly what that fetch did, with no second check ([Note: cached parameter lists]).
+        self.fetched_from: Dict[int, Tuple[Parameter, ...]] = {}
         self.root_depth = 0
         self.stats_every = stats_every_from_env(os.environ)
         self.check_ranks = check_ranks_from_env(os.environ)
@@ -404,18 +404,18 @@ class PartitionedParameterCoordinator:
         if progress is not None and progress.trace is not None:
             params = progress.trace.params_at(step, module)
             if params is not None:
-                self.fetched_from[module.ds_id] = (progress.trace, step)
+                self.fetched_from[module.ds_id] = params
                 return params
         self.fetched_from.pop(module.ds_id, None)
         return fetch_params(module)
 
     def _params_to_release(self, module: Module) -> Sequence[Parameter]:
         """What ``module``'s fetch covered: ``fetch_params(module, strict=False)``, from the trace when it can be."""
-        source = self.fetched_from.get(module.ds_id)
-        if source is not None:
-            params = source[0].params_at(source[1], module)
-            if params is not None:
-                return params
+        params = self.fetched_from.get(module.ds_id)
+        if params is not None and "_external_params" not in module.__dict__:
+            return params
+        # External parameters can be registered during the module's own forward (ZeROOrderedDict's getter):
+        # its release covers them, as upstream's does.
         return fetch_params(module, strict=False)
 
     def _observe(self, module: Module) -> int:
