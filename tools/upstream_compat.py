@@ -27,6 +27,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -36,6 +37,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 TEST_DIRS = ("unit/v1/zero", "unit/runtime/zero", "unit/v1/compile", "unit/checkpoint")
 RUNTIMES = {"upstream": "0", "ours": "1"}
+TIMEOUT_GRACE_S = 120
 SHM, SHM_PATTERN = Path("/dev/shm"), f"deepspeed_allreduce_buffer_{os.getuid()}_*"
 ENV = {"DS_ACCELERATOR": "cpu", "LOCAL_SIZE": "4", "DS_UNITTEST_TIMEOUT": "300"}
 SELECT_ENV = "ZERO3_COMPAT_SELECT"
@@ -255,11 +257,24 @@ def run_file(work: Path, test_file: str, nodeids, runtime: str, timeout: int) ->
     (work / "logs").mkdir(exist_ok=True)
     shm_before = set(SHM.glob(SHM_PATTERN))
     with open(work / "logs" / f"{stem}.{runtime}.log", "w") as output:
+        proc = subprocess.Popen(command, cwd=work, env=child_env(runtime, **{SELECT_ENV: str(select)}),
+                                stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            rc = subprocess.run(command, cwd=work, env=child_env(runtime, **{SELECT_ENV: str(select)}),
-                                timeout=timeout, stdout=output, stderr=subprocess.STDOUT).returncode
+            rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
+            # SIGINT first: pytest stops, reports and writes the junit XML of the tests it finished, so a file
+            # that overran keeps those; whatever is left of its process group is killed after a grace period.
             rc = "timeout"
+            os.killpg(proc.pid, signal.SIGINT)
+            try:
+                proc.wait(timeout=TIMEOUT_GRACE_S)
+            except subprocess.TimeoutExpired:
+                pass
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
     # Upstream's CPU allreduce leaves a 66 MB buffer per rank and port in /dev/shm; each test picks its own port,
     # so a whole suite would fill the machine's memory. Only the buffers this file's run created are removed.
     for leftover in set(SHM.glob(SHM_PATTERN)) - shm_before:
@@ -447,7 +462,8 @@ def main(argv=None):
     parser.add_argument("--resume", action="store_true",
                         help="skip files the results store already holds a `make compat` run of from today "
                         "(to continue a run that was stopped)")
-    parser.add_argument("--timeout", type=int, default=1500, help="seconds per file and runtime")
+    parser.add_argument("--timeout", type=int, default=3600, help="seconds per file and runtime (a file of 70 "
+                        "distributed tests takes about 25 minutes on 2 cores)")
     parser.add_argument("--results", type=Path, default=REPO / "docs/compat/upstream-unit-tests.json")
     parser.add_argument("--doc", type=Path, default=REPO / "docs/compat/upstream-unit-tests.md")
     args = parser.parse_args(argv)
