@@ -1,10 +1,11 @@
-"""Host time per module fetch + release of the tiny-module model, in one process (world 1), optionally profiled.
+"""Host time per module fetch + release of the tiny-module model, in one process or more, optionally profiled.
 
     python -m deepspeed_zero3.bench.hostcost [--reuse 1000000000] [--profile]
     DEEPSPEED_ZERO3=0 python -m deepspeed_zero3.bench.hostcost      # upstream's runtime
+    deepspeed --num_gpus 2 --no_local_rank --module deepspeed_zero3.bench.hostcost --reuse 1000000000   # 2 ranks
 
-No launcher and no other rank to wait for: what is left is host work (bookkeeping, upstream's partition
-and gather calls). Builds the ``tiny_modules`` model of the benchmark, runs 3 warm-up training steps,
+In one process there is no other rank to wait for: what is left is host work (bookkeeping, upstream's
+partition and gather calls); under the launcher each rank also pays for splitting the real gathers. Builds the ``tiny_modules`` model of the benchmark, runs 3 warm-up training steps,
 times ``fetch_sub_module`` and ``release_sub_module`` over 3 more (wall and this thread's CPU time), and with ``--profile`` prints a cProfile
 of 2 further steps (sorted by ``--sort``). Run it under the heavy lock like any benchmark.
 """
@@ -72,7 +73,8 @@ def main(argv=None) -> int:
         setattr(cls, name, original)
     runtime = "ours" if "deepspeed_zero3" in coordinator_module.__file__ else "upstream"
     print(f"{runtime}: {1e6 * spent['seconds'] / spent['fetches']:.1f} us per module fetch + release, "
-          f"{1e6 * spent['cpu_seconds'] / spent['fetches']:.1f} us of it CPU (world 1, reuse {args.reuse}, "
+          f"{1e6 * spent['cpu_seconds'] / spent['fetches']:.1f} us of it CPU (rank {torch.distributed.get_rank()} of "
+          f"{torch.distributed.get_world_size()}, reuse {args.reuse}, "
           f"{spent['fetches']} fetches)")
     if args.profile:
         profile = cProfile.Profile()
