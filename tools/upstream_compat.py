@@ -21,6 +21,7 @@ Usage (from the repository root; the whole suite takes about an hour per runtime
 """
 
 import argparse
+import contextlib
 import datetime
 import inspect
 import json
@@ -34,11 +35,12 @@ import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
+from deepspeed_zero3.testing.ports import shm_buffers  # stdlib only: cheap in the driver and in the plugin
+
 REPO = Path(__file__).resolve().parent.parent
 TEST_DIRS = ("unit/v1/zero", "unit/runtime/zero", "unit/v1/compile", "unit/checkpoint")
 RUNTIMES = {"upstream": "0", "ours": "1"}
 TIMEOUT_GRACE_S = 120
-SHM, SHM_PATTERN = Path("/dev/shm"), f"deepspeed_allreduce_buffer_{os.getuid()}_*"
 ENV = {"DS_ACCELERATOR": "cpu", "LOCAL_SIZE": "4", "DS_UNITTEST_TIMEOUT": "300"}
 SELECT_ENV = "ZERO3_COMPAT_SELECT"
 COLLECT_ENV = "ZERO3_COMPAT_COLLECT"
@@ -255,7 +257,7 @@ def run_file(work: Path, test_file: str, nodeids, runtime: str, timeout: int) ->
                f"--basetemp={basetemp}", f"--junitxml={xml}", "-rA", "--tb=long", f"tests/{test_file}"]
     log(f"{test_file}: {len(nodeids)} tests under {runtime}")
     (work / "logs").mkdir(exist_ok=True)
-    shm_before = set(SHM.glob(SHM_PATTERN))
+    shm_before = set(shm_buffers())
     with open(work / "logs" / f"{stem}.{runtime}.log", "w") as output:
         proc = subprocess.Popen(command, cwd=work, env=child_env(runtime, **{SELECT_ENV: str(select)}),
                                 stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
@@ -277,8 +279,9 @@ def run_file(work: Path, test_file: str, nodeids, runtime: str, timeout: int) ->
             proc.wait()
     # Upstream's CPU allreduce leaves a 66 MB buffer per rank and port in /dev/shm; each test picks its own port,
     # so a whole suite would fill the machine's memory. Only the buffers this file's run created are removed.
-    for leftover in set(SHM.glob(SHM_PATTERN)) - shm_before:
-        leftover.unlink(missing_ok=True)
+    for leftover in set(shm_buffers()) - shm_before:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(leftover)
     check_runtime(work / "logs" / f"{stem}.{runtime}.log", runtime)
     results = read_junit(xml, nodeids)
     log(f"{test_file} under {runtime}: rc {rc}, {counts(results)}")

@@ -5,9 +5,11 @@
     deepspeed --num_gpus 2 --no_local_rank --module deepspeed_zero3.bench.hostcost --reuse 1000000000   # 2 ranks
 
 In one process there is no other rank to wait for: what is left is host work (bookkeeping, upstream's
-partition and gather calls); under the launcher each rank also pays for splitting the real gathers. Builds the ``tiny_modules`` model of the benchmark, runs 3 warm-up training steps,
-times ``fetch_sub_module`` and ``release_sub_module`` over 3 more (wall and this thread's CPU time), and with ``--profile`` prints a cProfile
-of 2 further steps (sorted by ``--sort``). Run it under the heavy lock like any benchmark.
+partition and gather calls); under the launcher each rank also pays for splitting the real gathers.
+Builds the ``tiny_modules`` model of the benchmark, runs 3 warm-up training steps, times
+``fetch_sub_module`` and ``release_sub_module`` over 3 more (wall and this thread's CPU time), and with
+``--profile`` prints a cProfile of 2 further steps (sorted by ``--sort``). Run it under the heavy lock like
+any benchmark.
 """
 
 import argparse

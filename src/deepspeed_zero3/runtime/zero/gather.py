@@ -116,7 +116,8 @@ class Gatherer:
             if handle is None or getattr(handle, "complete", False):
                 # [Note: one event per completed gather] A coalesced handle completes all its parameters at its
                 # first wait; that wait recorded the event that back-pressure counts. Upstream records one more
-                # per parameter of it, so the host would wait on up to two no-op events per fetch for nothing.
+                # per parameter of it, which fills the bounded queue with gathers already counted, so the host
+                # synchronizes sooner than MAX_QUEUED_FETCH_EVENTS gathers deep.
                 continue
             with accelerator.stream(self.allgather_stream):
                 while self.queued_events and self.queued_events[0].query():

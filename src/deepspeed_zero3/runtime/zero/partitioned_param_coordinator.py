@@ -410,7 +410,8 @@ class PartitionedParameterCoordinator:
         return fetch_params(module)
 
     def _params_to_release(self, module: Module) -> Sequence[Parameter]:
-        """What ``module``'s fetch covered: ``fetch_params(module, strict=False)``, from the trace when it can be."""
+        """What ``module``'s fetch covered: the list that fetch took from the trace, else
+        ``fetch_params(module, strict=False)``."""
         params = self.fetched_from.get(module.ds_id)
         if params is not None and "_external_params" not in module.__dict__:
             return params
