@@ -46,24 +46,35 @@ def model():
     return model_a()
 
 
+# Reuse 0 still keeps what the backward's first window would gather again ([Note: budgeted keeping]): head
+# (distance 0) and the last down (distance: head in the forward after it + head in the backward before it).
+KEPT = HEAD + DOWN
+# kind -> (gathered numel, all-gather calls, peak live numel). Forward and eval: the first gather covers two
+# modules (the first one and the next up to the bucket line), then one per module; peak = the module in use
+# (down) + the window, which holds the whole next module that crossed the bucket line (up). Backward: 24
+# modules left to gather, one call each; peak = what was kept + the first window's up.
+STEADY = {
+    "forward": (MODEL_A, PARAM_MODULES - 1, DOWN + UP),
+    "backward": (MODEL_A - KEPT, PARAM_MODULES - 2, KEPT + UP),
+    "eval_forward": (MODEL_A, PARAM_MODULES - 1, DOWN + UP),
+}
+
+
 def test_model_a_steady_state_bucket_100k(model):
     engine = training_engine(model, zero3_config(bucket=100_000, reuse=0))
     assert count_params(engine.module) == MODEL_A
     run_cycles(engine, 3)
     passes = last_passes(engine)
-    for kind in ("forward", "backward", "eval_forward"):
+    for kind, (numel, calls, peak) in STEADY.items():
         p = passes[kind]
-        # Each parameter gathered exactly once per pass, all ahead of use.
-        assert p["allgather_numel"] == MODEL_A, kind
+        # Each parameter gathered at most once per pass, all ahead of use.
+        assert p["allgather_numel"] == p["prefetch_numel"] == numel, kind
         assert p["demand_numel"] == 0, kind
-        assert p["prefetch_numel"] == MODEL_A, kind
-        # The first gather covers two modules (the first one and the next up to the bucket line), then one per module.
-        assert p["allgather_calls"] == PARAM_MODULES - 1, kind
-        # Module in use (down) + the window, which holds the whole next module that crossed the bucket line (up).
-        assert p["peak_live_numel"] == DOWN + UP, kind
-        assert p["peak_live_numel"] <= UP + 100_000 + 262_144  # largest module + bucket + one parameter
+        assert p["allgather_calls"] == calls, kind
+        assert p["peak_live_numel"] == peak, kind
+        assert p["peak_live_numel"] <= UP + 100_000 + 262_144 + HEAD  # largest module + bucket + one parameter
         assert p["trace_records"] == 0 and p["trace_mismatches"] == 0, kind
-    # Nothing stays gathered between passes.
+    # Nothing stays gathered between steps.
     assert deepspeed_zero3.get_zero3_stats(engine)["live_numel"] == 0
     engine.destroy()
 
@@ -83,10 +94,11 @@ def test_outside_instrument_agrees_with_stats(model):
     counts = meter.snapshot()
     passes = last_passes(engine)
     for phase in ("forward", "backward"):
-        assert counts[phase]["allgather_calls"] == passes[phase]["allgather_calls"] == PARAM_MODULES - 1
-        assert counts[phase]["allgather_numel"] == passes[phase]["allgather_numel"] == MODEL_A
+        numel, calls, peak = STEADY[phase]
+        assert counts[phase]["allgather_calls"] == passes[phase]["allgather_calls"] == calls
+        assert counts[phase]["allgather_numel"] == passes[phase]["allgather_numel"] == numel
         assert counts[phase]["demand_numel"] == 0
-        assert counts[phase]["peak_live_numel"] == passes[phase]["peak_live_numel"] == DOWN + UP
+        assert counts[phase]["peak_live_numel"] == passes[phase]["peak_live_numel"] == peak
     assert counts["step"]["allgather_calls"] == 0
     engine.destroy()
 

@@ -58,13 +58,15 @@ def test_exact_gathers_per_pass_on_demand(threshold, calls):
 
 
 def test_exact_gathers_per_pass_with_prefetch():
-    """bucket 20,000 with the blocks as leaves: every parameter prefetched once per pass, none on demand."""
+    """bucket 20,000 with the blocks as leaves: every parameter prefetched at most once per pass, none on demand."""
     model = gpt()
     engine = training_engine(model, zero3_config(bucket=20_000, reuse=0, stage3_module_granularity_threshold=2000))
     passes = steady_passes(engine)
-    for kind in ("forward", "backward"):
+    # The forward keeps lm_head for the backward (distance 0); ln_f is 2 x 16,384 away, over the bucket
+    # ([Note: budgeted keeping]).
+    for kind, numel in (("forward", TOTAL), ("backward", TOTAL - EMBED)):
         p = passes[kind]
-        assert p["allgather_numel"] == TOTAL and p["demand_numel"] == 0 and p["prefetch_numel"] == TOTAL, (kind, p)
+        assert p["allgather_numel"] == numel and p["demand_numel"] == 0 and p["prefetch_numel"] == numel, (kind, p)
         assert p["trace_records"] == 0 and p["trace_mismatches"] == 0, (kind, p)
     engine.destroy()
 
@@ -131,7 +133,8 @@ def test_zenflow_parameters_gathered_in_storage_layout_compute_transposed():
     for param in model.parameters():
         if param.dim() != 1:
             param.data = param.data.t().contiguous()  # ZenFlow's storage layout
-    # Reuse 0: nothing is kept for the backward ([Note: budgeted keeping]), so every module releases at its end.
+    # Bucket 0 and reuse 0: nothing is kept for the backward ([Note: budgeted keeping]), so every module
+    # releases at its end.
     offload = DeepSpeedZeRoOffload(model, timers=None, ds_config=zero3_config(), zenflow=True,
                                    prefetch_bucket_size=0, max_reuse_distance=0, param_persistence_threshold=0)
     assert model.b.weight.ds_shape == torch.Size([10, 10]) and model.a.weight.ds_shape == torch.Size([6, 10])

@@ -58,14 +58,20 @@ def test_a_capped_forward_keeps_the_tail_for_backward(cap):
 
 
 @pytest.mark.parametrize("cap", [None, MODEL_A // 4])
-def test_reuse_zero_keeps_nothing(cap):
-    """Reuse distance 0 asks for the least memory: nothing is kept, whatever room the cap leaves."""
+def test_reuse_zero_keeps_only_what_the_backwards_first_window_gathers(cap):
+    """Reuse distance 0 keeps a parameter only if it is back within one bucket: head and the last down."""
     torch.manual_seed(0)
     engine = training_engine(model_a(), zero3_config(bucket=BUCKET, reuse=0, max_live=cap))
-    train(engine, 0)
-    for p in deepspeed_zero3.get_zero3_stats(engine)["passes"]:
-        assert p["allgather_numel"] == MODEL_A and p["demand_numel"] == 0, p
-        assert p["peak_live_numel"] == UP + DOWN, p
+    for step in range(2):
+        train(engine, step)
+    records = deepspeed_zero3.get_zero3_stats(engine)["passes"]
+    for forward, backward in (records[0:2], records[2:4]):  # the first step keeps for the reversed guess
+        assert forward["allgather_numel"] == MODEL_A and forward["demand_numel"] == 0, forward
+        # distances: head 0, down 11 = head after it in the forward + head before it in the backward, up 11 > bucket
+        assert backward["allgather_numel"] == MODEL_A - (HEAD + DOWN) and backward["demand_numel"] == 0, backward
+        assert forward["peak_live_numel"] == UP + DOWN, forward
+        assert backward["peak_live_numel"] == HEAD + DOWN + UP, backward  # kept + the first window's up 11
+    assert deepspeed_zero3.get_zero3_stats(engine)["live_numel"] == 0
     engine.destroy()
 
 

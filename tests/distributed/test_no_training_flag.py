@@ -43,7 +43,8 @@ def test_eval_mode_frozen_and_whole_model_eval_train_identically():
         engine = training_engine(model_b(), zero3_config(bucket=20_000, reuse=0))
         results[label] = run(engine, 4, rank, flips)
         last = deepspeed_zero3.get_zero3_stats(engine)["passes"][-2:]
-        assert [p["allgather_numel"] for p in last] == [199_876, 199_876], label
+        # the backward: all but head + the last down, kept from the forward ([Note: budgeted keeping])
+        assert [p["allgather_numel"] for p in last] == [199_876, 199_876 - 16_708], label
         assert [p["demand_numel"] for p in last] == [0, 0], label
         engine.destroy()
     assert results["whole_model_eval"] == results["train"]

@@ -15,6 +15,7 @@ from deepspeed_zero3.testing.models import model_b, TinyGPT
 
 MODEL_B = 199_876
 AUX = 64 * 64 + 64
+KEPT = 260 + 16_448  # head + the last down, which a forward keeps for its backward ([Note: budgeted keeping])
 
 
 def passes(engine):
@@ -51,8 +52,8 @@ def test_train_eval_alternation_stops_recording():
     later = passes(engine)
     assert len(later) == 12
     assert_quiet(later, "alternation")
-    for p in later:
-        assert p["allgather_numel"] == MODEL_B, p  # eval gathers 1.0x, upstream 1.17x
+    for p in later:  # eval gathers 1.0x, upstream 1.17x; the forward keeps head + the last down for the backward
+        assert p["allgather_numel"] == (MODEL_B - KEPT if p["kind"] == "backward" else MODEL_B), p
     engine.destroy()
 
 
@@ -66,7 +67,8 @@ def test_training_only_branch_with_no_grad_eval():
     later = passes(engine)
     assert_quiet(later, "branch")
     by_kind = {p["kind"]: p["allgather_numel"] for p in later}
-    assert by_kind == {"forward": MODEL_B + AUX, "backward": MODEL_B + AUX, "eval_forward": MODEL_B}
+    # the forward keeps head, aux and the last down (each back within one bucket) for the backward
+    assert by_kind == {"forward": MODEL_B + AUX, "backward": MODEL_B - KEPT, "eval_forward": MODEL_B}
     engine.destroy()
 
 

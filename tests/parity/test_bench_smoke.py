@@ -45,10 +45,12 @@ def test_ours_runs_every_scenario(bench):
 
 
 def test_counts_of_a_steady_training_step(bench):
-    """Ours gathers each parameter once per pass, all of it prefetched, and never the whole model at once."""
+    """Ours gathers each parameter at most once per pass, all of it prefetched, never the whole model at once."""
     _, results, _ = bench
     ours = results["summary"]["steady_training"]["ours"]
-    assert ours["forward_x"] == 1.0 and ours["backward_x"] == 1.0
+    # Model B (199,876) at reuse 0: the forward keeps head (260) + the last down (16,448) for the backward,
+    # both back within one bucket ([Note: budgeted keeping]).
+    assert ours["forward_x"] == 1.0 and ours["backward_x"] == pytest.approx((199_876 - 16_708) / 199_876, abs=1e-12)
     assert ours["demand_per_cycle"] == 0 and ours["trace_records"] == 0
     assert ours["peak_live_pct"] < 50.0
     upstream = results["summary"]["steady_training"]["upstream"]

@@ -133,10 +133,13 @@ def test_nvme_partitions_are_read_ahead_of_use(runs):
     assert ours["params_on_nvme"] == 4
     passes = ours["swap_ins"]
     assert [p["kind"] for p in passes] == ["forward", "backward", "eval_forward"] * 5
+    # The backward reads 3: the forward keeps the last down projection for it, back within one bucket
+    # ([Note: budgeted keeping]).
+    swapped = {"forward": 4, "backward": 3, "eval_forward": 4}
     for p in passes[3:]:
-        assert (p["swap_in_ahead"], p["swap_in_demand"], p["swap_in_unused"]) == (4, 0, 0), p
+        assert (p["swap_in_ahead"], p["swap_in_demand"], p["swap_in_unused"]) == (swapped[p["kind"]], 0, 0), p
     for p in passes[:3]:
-        assert p["swap_in_ahead"] + p["swap_in_demand"] == 4 and p["swap_in_unused"] == 0, p
+        assert p["swap_in_ahead"] + p["swap_in_demand"] == swapped[p["kind"]] and p["swap_in_unused"] == 0, p
 
 
 @pytest.mark.parametrize("world", WORLDS)

@@ -67,7 +67,10 @@ def test_keep_plan_is_the_backward_prefix_within_cap_less_bucket_and_reuse():
     forward = PassTrace(PassKind.FORWARD, [root, a, box, b, c])
     backward = PassTrace(PassKind.BACKWARD, [c, b, a])
     settings = lambda cap, reuse, bucket=1: PrefetchSettings(bucket, cap, reuse)
-    assert plan_kept(forward, backward, settings(100, 0)) == frozenset()  # reuse 0 keeps nothing
+    # reuse 0 keeps what is back within one bucket: c (distance 0); b (4) only with a bucket over 4
+    assert plan_kept(forward, backward, settings(100, 0)) == {p[2]}
+    assert plan_kept(forward, backward, settings(100, 0, bucket=5)) == {p[2], p[1]}
+    assert plan_kept(forward, backward, settings(100, 4, bucket=5)) == {p[2], p[1]}  # the larger of the two
     assert plan_kept(forward, backward, settings(100, 10**9)) == {p[0], p[1], p[2]}
     assert plan_kept(forward, backward, settings(11, 10**9)) == {p[2], p[1]}  # 10 <= 11 - 1
     assert plan_kept(forward, backward, settings(10, 10**9)) == {p[2]}  # c, then b does not fit: stop

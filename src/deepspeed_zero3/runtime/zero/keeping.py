@@ -7,19 +7,26 @@ last forward use until its first backward use. The backward runs the forward
 roughly in reverse, so the tail of the forward is needed first and held for the
 shortest time. The rule:
 
-* ``stage3_max_reuse_distance`` decides whether forward-to-backward reuse is
-  wanted at all. At 0 nothing is kept: every parameter is released after each
-  use, the least memory (Model A: peak 8.3% of the model, 2.00x gathered per
-  step). That is what reuse 0 asks for, and with the default live-parameter cap
-  (1e9) keeping would otherwise hold the whole model.
-* Above 0, walk the backward the forward expects (the backward trace that last
-  followed it, else the reversed guess, [Note: first-pass prediction]) from its
-  start and keep each parameter the forward uses while the numel kept so far
-  fits in ``stage3_max_live_parameters - stage3_prefetch_bucket_size`` and its
-  reuse distance (numel fetched after its last forward use up to its first
-  backward use) is under ``stage3_max_reuse_distance``. The walk stops at the
-  first parameter that does not qualify, so what is kept is always a tail of
-  the forward: the backward's first modules.
+* Walk the backward the forward expects (the backward trace that last followed
+  it, else the reversed guess, [Note: first-pass prediction]) from its start
+  and keep each parameter the forward uses while the numel kept so far fits in
+  ``stage3_max_live_parameters - stage3_prefetch_bucket_size`` and its reuse
+  distance (numel fetched after its last forward use up to its first backward
+  use) is under the larger of ``stage3_max_reuse_distance`` and one prefetch
+  bucket. The walk stops at the first parameter that does not qualify, so what
+  is kept is always a tail of the forward: the backward's first modules.
+* Why one bucket even at reuse 0, which asks for the least memory: a parameter
+  back within one bucket is one the backward's first prefetch window gathers
+  again the moment the backward starts. Releasing it saves no memory at the
+  backward's start and costs a second gather of it, plus a wait on the other
+  ranks between the two passes. Kept parameters all lie in the forward's last
+  bucket (plus the module that crosses into it), so the forward's peak, module
+  in use + window, grows by at most one module; Model A at reuse 0 keeps head +
+  the last down projection (263,428 of 6,312,196), the backward's peak grows by
+  the head (1,028) and a step gathers 1.96x instead of 2.00x. A model smaller
+  than one bucket is kept whole, as upstream keeps it (its prefetcher, scanning
+  one trace across both passes, keeps what it has already fetched for the
+  backward): the forward's first window held all of it anyway.
 * Reserving one bucket keeps both prefetch windows whole: in the forward, live =
   kept so far + the module in use + the window, and kept so far + the module in
   use (itself kept, or not yet into the tail) stays under cap - bucket; in the
@@ -40,9 +47,9 @@ a forward keeps 45.8% / 20.8% / 8.3%, the peak is 50.0% / 25.0% / 12.5%, and a
 step gathers 1.54x / 1.79x / 1.92x with nothing on demand. Upstream at reuse 0
 reaches 54% / 29% / 12.5% peak for 1.58x / 1.75x / 1.92x, and at the default
 reuse distance ignores the cap (100%, plus 3.2M / 4.7M / 5.5M numel on demand
-per step). Keeping at reuse 0 as well would have made reuse 0 with the default
-cap the 100% / 1.00x point, the same as the default reuse distance, and left
-no setting for the 8.3% / 2.00x one.
+per step). Keeping by the cap at reuse 0 as well would have made reuse 0 with
+the default cap the 100% / 1.00x point, the same as the default reuse distance,
+and left no setting for the least-memory one (8.3%, 1.96x).
 
 The plan depends on the traces and the settings only, the same on every rank
 ([Note: trace selection]).
@@ -58,9 +65,9 @@ from deepspeed_zero3.runtime.zero.trace import PassTrace
 
 def plan_kept(forward: PassTrace, backward: Optional[PassTrace], settings: PrefetchSettings) -> FrozenSet[Parameter]:
     """The parameters a forward following ``forward`` keeps for ``backward`` ([Note: budgeted keeping])."""
-    limit = settings.max_reuse_numel
+    limit = max(settings.max_reuse_numel, settings.bucket_numel)
     room = settings.max_live_numel - settings.bucket_numel
-    if limit == 0 or backward is None or room <= 0:
+    if backward is None or room <= 0:
         return frozenset()
     kept = set()
     kept_numel = 0

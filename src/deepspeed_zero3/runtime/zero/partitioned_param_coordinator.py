@@ -524,14 +524,14 @@ class PartitionedParameterCoordinator:
     def _reuse_keeps(self, param: Parameter, step: int) -> bool:
         """Whether ``param`` stays gathered: kept for the backward ([Note: budgeted keeping]), or its next use in
         this pass is within the reuse distance."""
-        limit = self.settings.max_reuse_numel
-        if limit == 0 or self.progress is None or not self.progress.replaying():
+        if self.progress is None or not self.progress.replaying():
             return False
         trace = self.progress.trace
         if self.progress.kind is PassKind.FORWARD and self.keeping.keeps(
                 param, step, trace, self.prediction.expected_backward(trace), self.settings):
-            return True
-        if self.live_numel > self.settings.max_live_numel:
+            return True  # at reuse 0 too: what the backward's first window gathers again
+        limit = self.settings.max_reuse_numel
+        if limit == 0 or self.live_numel > self.settings.max_live_numel:
             return False
         next_step = trace.next_use(param, step)
         return next_step is not None and trace.numel_between(step + 1, next_step) < limit

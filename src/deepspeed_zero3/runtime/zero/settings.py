@@ -36,7 +36,8 @@ class PrefetchSettings:
     bucket_numel: ``stage3_prefetch_bucket_size``; the prefetch window. 0 turns prefetching off.
     max_live_numel: ``stage3_max_live_parameters``; cap on gathered numel beyond the module in use.
     max_reuse_numel: ``stage3_max_reuse_distance``; a released parameter whose next use comes within
-        this many numel of fetches stays gathered. 0 releases every parameter after each use.
+        this many numel of fetches stays gathered. 0 releases every parameter after each use in a pass;
+        a forward still keeps what its backward's first window would gather again ([Note: budgeted keeping]).
     """
     bucket_numel: int
     max_live_numel: int
