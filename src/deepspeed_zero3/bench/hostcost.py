@@ -4,8 +4,10 @@
     DEEPSPEED_ZERO3=0 python -m deepspeed_zero3.bench.hostcost      # upstream's runtime
     deepspeed --num_gpus 2 --no_local_rank --module deepspeed_zero3.bench.hostcost --reuse 1000000000   # 2 ranks
 
-In one process there is no other rank to wait for: what is left is host work (bookkeeping, upstream's
-partition and gather calls); under the launcher each rank also pays for splitting the real gathers.
+Under the launcher the ranks run the package installed in the environment: reinstall it (``make venv``)
+after changing ``src/``; rank 0 prints the coordinator's file. In one process there is no other rank to
+wait for: what is left is host work (bookkeeping, upstream's partition and gather calls); under the
+launcher each rank also pays for splitting the real gathers.
 Builds the ``tiny_modules`` model of the benchmark, runs 3 warm-up training steps, times
 ``fetch_sub_module`` and ``release_sub_module`` over 3 more (wall and this thread's CPU time), and with
 ``--profile`` prints a cProfile of 2 further steps (sorted by ``--sort``). Run it under the heavy lock like
@@ -78,6 +80,10 @@ def main(argv=None) -> int:
           f"{1e6 * spent['cpu_seconds'] / spent['fetches']:.1f} us of it CPU (rank {torch.distributed.get_rank()} of "
           f"{torch.distributed.get_world_size()}, reuse {args.reuse}, "
           f"{spent['fetches']} fetches)")
+    if torch.distributed.get_rank() == 0:
+        # Under the launcher the ranks import the installed package, not this checkout's src/: a stale
+        # install measures old code (the second stop of issue 13 did, 0.76 instead of 0.57-0.70).
+        print(f"coordinator: {coordinator_module.__file__}")
     if args.profile:
         profile = cProfile.Profile()
         profile.enable()
