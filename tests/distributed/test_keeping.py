@@ -96,3 +96,47 @@ def test_reuse_distance_bounds_the_kept_tail():
     # distance of a kept parameter = forward numel after its last use + backward numel before its first use
     assert MODEL_A - backward["allgather_numel"] == HEAD + BLOCK + DOWN, backward
     engine.destroy()
+
+
+def test_forwards_that_no_backward_follows_stop_keeping():
+    """Forwards with grad that no backward follows (scoring with grad on, upstream's ``TestZeroPartitionCache``
+    with ``training=False``) keep at the first only; keeping comes back once a step of one forward and one
+    backward has run again ([Note: budgeted keeping])."""
+    torch.manual_seed(0)
+    engine = training_engine(model_a(), zero3_config(bucket=BUCKET, reuse=DEFAULT))
+    live = lambda: deepspeed_zero3.get_zero3_stats(engine)["live_numel"]
+    x = batch(0, torch.distributed.get_rank())
+    engine(x)
+    assert live() == MODEL_A  # kept whole for the backward the first forward expects
+    engine(x)  # a forward starts by releasing what the last one kept; the second since a backward keeps nothing
+    assert live() == 0
+    train(engine, 1)  # the third forward: keeps nothing; its backward records 3 forwards per backward
+    train(engine, 2)  # the first forward of its step, 3 expected: keeps nothing; this backward records 1
+    train(engine, 3)  # keeps the whole model again: its backward gathers nothing
+    records = deepspeed_zero3.get_zero3_stats(engine)["passes"]
+    assert [p["kind"] for p in records] == ["forward"] * 3 + ["backward", "forward", "backward", "forward", "backward"]
+    assert [p["allgather_numel"] for p in records] == [MODEL_A] * 7 + [0]
+    assert all(p["demand_numel"] == 0 for p in records), records
+    assert live() == 0
+    engine.destroy()
+
+
+def test_two_forwards_per_backward_keep_at_the_second():
+    """A loss over two forwards, one backward: once a step has shown it, the second forward keeps."""
+    torch.manual_seed(0)
+    engine = training_engine(model_a(), zero3_config(bucket=BUCKET, reuse=DEFAULT))
+    rank = torch.distributed.get_rank()
+    for step in range(3):
+        loss = mse_loss(engine(batch(2 * step, rank))) + mse_loss(engine(batch(2 * step + 1, rank)))
+        engine.backward(loss)
+        engine.step()
+    records = deepspeed_zero3.get_zero3_stats(engine)["passes"]
+    assert [p["kind"] for p in records] == ["forward", "forward", "backward"] * 3
+    # Step 0: the first forward keeps (1 expected) and the second releases it; later steps keep at the second.
+    # Step 0's backward, before any backward trace, gathers every parameter once per forward graph except
+    # inp's (12,620,040 = 2 x 6,312,196 - 4,352) ...
+    assert [p["allgather_numel"] for p in records] == [MODEL_A, MODEL_A, 2 * MODEL_A - 4_352] + [MODEL_A, MODEL_A, 0] * 2
+    # ... the second graph's half on demand: the reversed guess holds each module once ([Note: first-pass
+    # prediction]). From step 1 on the backward replays its own trace.
+    assert [p["demand_numel"] for p in records] == [0, 0, MODEL_A - 4_352] + [0] * 6
+    engine.destroy()

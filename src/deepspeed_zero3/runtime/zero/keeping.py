@@ -35,6 +35,17 @@ shortest time. The rule:
   Neither window is cut by the cap, so nothing is fetched on demand, and the
   peak is at most cap + one bucket + the largest module (the one that crosses
   the bucket line).
+* Keeping is for a backward that comes. A forward starts by releasing what an
+  earlier one kept, so only the last forward with grad before a backward keeps
+  usefully. Each forward trace remembers how many forwards with grad the step
+  of the backward that last followed it ran (1 until one has): the n-th forward
+  since the last backward keeps only if n is that number. Forwards that no
+  backward follows (scoring with grad enabled; upstream's own
+  ``TestZeroPartitionCache`` runs three forwards and then expects every
+  parameter released) keep at the first only, and two forwards before one
+  backward (a loss over both) keep at the second once a step has shown it.
+  Upstream releases in the first case too: its trace of such a step holds no
+  backward use to reuse.
 * A parameter is kept only at its last use in the forward (an earlier release
   of a parameter used twice follows the in-pass reuse distance), so kept memory
   grows only through the tail.

@@ -150,6 +150,7 @@ class PartitionedParameterCoordinator:
         self.backward_prefetcher: Optional[PassPrefetcher] = None
         # The forward trace whose backward has not run yet: its backward trace is the best guess.
         self.awaiting_backward_from: Optional[PassTrace] = None
+        self.forwards_since_backward = 0  # forwards with grad begun since the last backward ended
         # Gathered non-persistent parameters this coordinator is responsible for (an ordered set).
         self.live: Dict[Parameter, None] = {}
         # Parameters kept gathered after use because the reuse distance says they come back soon.
@@ -243,6 +244,8 @@ class PartitionedParameterCoordinator:
         with self.lock:
             self._end_open_pass()
             kind = PassKind.FORWARD if torch.is_grad_enabled() else PassKind.EVAL_FORWARD
+            if kind is PassKind.FORWARD:
+                self.forwards_since_backward += 1
             guess = self.prediction.forward_guess(kind, self.traces)
             self._begin_pass(PassPhase.FORWARD, kind, guess)
             self.forward_prefetcher = self._make_prefetcher("forward", guess)
@@ -260,7 +263,8 @@ class PartitionedParameterCoordinator:
             keep = ()
             if kind is PassKind.FORWARD:
                 self.awaiting_backward_from = trace
-                backward = self.prediction.expected_backward(trace) if trace is not None else None
+                backward = (self.prediction.backward_to_keep_for(trace, self.forwards_since_backward)
+                            if trace is not None else None)
                 if backward is not None:
                     keep = tuple(p for p in self.reuse_kept if backward.next_use(p, -1) is not None)
             self._end_pass(aborted)
@@ -303,7 +307,9 @@ class PartitionedParameterCoordinator:
             trace = self._finish_trace(aborted)
             if self.awaiting_backward_from is not None and trace is not None:
                 self.awaiting_backward_from.next_backward = trace
+                self.awaiting_backward_from.forwards_per_backward = max(1, self.forwards_since_backward)
             self.awaiting_backward_from = None
+            self.forwards_since_backward = 0
             self.backward_prefetcher = None
             self.active_backward.clear()
             self._end_pass(aborted)
@@ -528,7 +534,8 @@ class PartitionedParameterCoordinator:
             return False
         trace = self.progress.trace
         if self.progress.kind is PassKind.FORWARD and self.keeping.keeps(
-                param, step, trace, self.prediction.expected_backward(trace), self.settings):
+                param, step, trace, self.prediction.backward_to_keep_for(trace, self.forwards_since_backward),
+                self.settings):
             return True  # at reuse 0 too: what the backward's first window gathers again
         limit = self.settings.max_reuse_numel
         if limit == 0 or self.live_numel > self.settings.max_live_numel:

@@ -87,5 +87,11 @@ class FirstPassPrediction:
             self._reversed[forward] = guess
         return guess if len(guess) else None
 
+    def backward_to_keep_for(self, forward: PassTrace, nth_forward: int) -> Optional[PassTrace]:
+        """The backward that the ``nth_forward``-th forward with grad since the last backward, replaying
+        ``forward``, keeps parameters for: the expected one if a backward came after as many forwards the last
+        time, else none ([Note: budgeted keeping])."""
+        return self.expected_backward(forward) if nth_forward == forward.forwards_per_backward else None
+
     def clear(self) -> None:
         self._reversed.clear()

@@ -69,8 +69,10 @@ class PassTrace:
             steps = self.use_steps.setdefault(param, [])
             if not steps or steps[-1] != step:
                 steps.append(step)
-        # Set by the coordinator: the backward trace that last followed this forward trace.
+        # Set by the coordinator: the backward trace that last followed this forward trace, and how many
+        # forwards with grad that backward's step ran ([Note: budgeted keeping]).
         self.next_backward: Optional["PassTrace"] = None
+        self.forwards_per_backward = 1
 
     def __len__(self):
         return len(self.module_refs)
