@@ -44,8 +44,8 @@ def params_signature(module: Module) -> Optional[tuple]:
     of calling ``fetch_params`` on every fetch, and a release covers the list its module's fetch took, unchecked
     (what a fetch gathered is what its release looks at), unless the module has external parameters, which
     its forward may add to. The list is only reused while the module's signature equals the one recorded
-    with it: the identities of its own parameters (a parameter assigned
-    after ``initialize`` changes them, and the fetch then raises ``raise_for_unconverted``'s error as before),
+    with it: the identities of its own parameters (a parameter assigned after ``initialize`` changes them,
+    and the fetch then raises ``raise_for_unconverted``'s error as before),
     and the keys of its ``_external_params`` (upstream keys them by ``id``; an external parameter found
     during a pass changes them). Identities are safe to compare because whoever holds a signature also holds
     the parameters it was taken from, so none of those ids can be reused by a new object.

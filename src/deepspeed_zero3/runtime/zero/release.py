@@ -7,8 +7,8 @@ case frees ``param.data`` (upstream's ``free_param``) and marks it
 NOT_AVAILABLE, and nothing else. On the way it formats six debug messages
 that are never printed (four ``print_rank_0(..., force=False)``, two
 ``see_memory_usage(..., force=False)``), one of which walks the parameter's
-name, id, shape and device: on the 2,000-tiny-module benchmark that formatting is a large share of
-a release. ``release`` takes the direct path only where upstream's own
+name, id, shape and device: on the 2,000-tiny-module benchmark that
+formatting is a large share of a release. ``release`` takes the direct path only where upstream's own
 ``partition()`` would take exactly that branch (0.19.4 through 0.19.8 alike):
 
 * the parameter is AVAILABLE and has its partition (``ds_tensor``);
