@@ -12,6 +12,7 @@ from deepspeed_zero3.testing.models import model_b
 CONFIG = zero3_config(bucket=20_000, reuse=0)
 # Block 3 of Model B (up 16,640 + down 16,448): prefetched for the backward that fails just before it.
 BACKWARD_PREFETCH_AT_FAULT = 33_088
+MODEL_B = 199_876  # numel of every non-persistent parameter
 
 
 class Boom(RuntimeError):
@@ -224,6 +225,27 @@ def test_abandoned_step_between_forward_and_backward():
     losses += [train_step(engine, batch(s, rank())) for s in (3, 4)]
     assert live(engine) == 0
     assert_matches(engine, losses, expected_losses, expected_params)
+    engine.destroy()
+
+
+def test_abandon_step_after_a_forward_keeps_the_next_steps_tail():
+    """abandon_step drops the forward it abandons from the forwards counted since a backward, so the next
+    step's forward is the first again and keeps its tail ([Note: budgeted keeping]): that step's backward
+    gathers what a step that never saw the fault gathers."""
+    torch.manual_seed(0)
+    engine = training_engine(model_b(), CONFIG)
+    for s in (0, 1):
+        train_step(engine, batch(s, rank()))
+    loss = mse_loss(engine(batch(2, rank())))  # a forward with grad whose step is then abandoned
+    del loss
+    deepspeed_zero3.abandon_step(engine)
+    assert live(engine) == 0
+    train_step(engine, batch(3, rank()))
+    passes = deepspeed_zero3.get_zero3_stats(engine)["passes"]
+    assert [p["kind"] for p in passes] == ["forward", "backward"] * 2 + ["forward"] * 2 + ["backward"]
+    steady, after = passes[3], passes[-1]
+    assert after["allgather_numel"] == steady["allgather_numel"] == MODEL_B - 260 - 16_448, (steady, after)
+    assert after["demand_numel"] == 0
     engine.destroy()
 
 

@@ -44,6 +44,8 @@ shortest time. The rule:
   ``TestZeroPartitionCache`` runs three forwards and then expects every
   parameter released) keep at the first only, and two forwards before one
   backward (a loss over both) keep at the second once a step has shown it.
+  ``abandon_step`` ends the count as a backward would (without recording it):
+  the forward after an abandoned one is the first of its step again.
   Upstream releases in the first case too: its trace of such a step holds no
   backward use to reuse.
 * A parameter is kept only at its last use in the forward (an earlier release

@@ -606,6 +606,10 @@ class PartitionedParameterCoordinator:
         with self.lock:
             self._end_open_pass(abandoning)
             self.root_depth = 0
+            if abandoning:
+                # The abandoned forwards never reach a backward: the next forward is the first of its step
+                # again, and keeps for its backward ([Note: budgeted keeping]).
+                self.forwards_since_backward = 0
 
     @eager_only  # [Note: what Dynamo may trace]
     @torch.no_grad()
