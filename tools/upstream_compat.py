@@ -35,6 +35,7 @@ import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
+import compat_shims  # stdlib only at import, as the plugin needs
 from deepspeed_zero3.testing.ports import shm_buffers  # stdlib only: cheap in the driver and in the plugin
 
 REPO = Path(__file__).resolve().parent.parent
@@ -45,6 +46,14 @@ ENV = {"DS_ACCELERATOR": "cpu", "LOCAL_SIZE": "4", "DS_UNITTEST_TIMEOUT": "300"}
 SELECT_ENV = "ZERO3_COMPAT_SELECT"
 COLLECT_ENV = "ZERO3_COMPAT_COLLECT"
 OUTCOMES = ("P", "F", "S", "XF")
+# [Note: the pytest upstream's tests run under]
+# Upstream's requirements-dev.txt pins pytest>=7.2.0,<8.4.0, and its suite depends on that: DistributedFixture
+# (unit/common.py) marks a class as a fixture through the `_pytestfixturefunction` attribute, which pytest 8.4
+# stopped reading, so under this venv's pytest 9 every test taking one (the checkpoint tests of
+# test_universal_checkpoint.py and test_zero_optimizer.py) errors "fixture 'baseline_ws2' not found" under both
+# runtimes and measures nothing. The children run the newest pytest upstream allows, installed once into the
+# work directory and put first on their PYTHONPATH; the driver and this venv keep theirs.
+UPSTREAM_PYTEST = "8.3.5"
 
 # Tests that pass with upstream and fail with ours on purpose: (category, node-id regex, regex of our failure
 # text or None, why). Explained at length in docs/compat/upstream-differences.md.
@@ -97,11 +106,13 @@ def is_stage3(item, module_has_stage_params: bool):
 
 
 def pytest_report_header(config):
+    import pytest
     from deepspeed.runtime.zero import parameter_offload
-    return f"{RUNTIME_LINE}{parameter_offload.__file__}"
+    return [f"{RUNTIME_LINE}{parameter_offload.__file__}", f"{PYTEST_LINE}{pytest.__version__}"]
 
 
 RUNTIME_LINE = "upstream_compat: parameter_offload from "
+PYTEST_LINE = "upstream_compat: pytest "
 _collect_errors = []
 _marker_deselected = []
 
@@ -170,7 +181,7 @@ def upstream_revision(upstream: Path) -> str:
         return marker.read_text().strip() if marker.exists() else "unknown"
 
 
-def prepare(upstream: Path, work: Path) -> dict:
+def prepare(upstream: Path, work: Path, shims: bool) -> dict:
     if not (upstream / "tests" / "unit").is_dir():
         sys.exit(f"--upstream {upstream}: no tests/unit there; pass a DeepSpeed source checkout (e.g. from "
                  f"`git archive <tag> tests | tar -x -C DIR`)")
@@ -178,6 +189,8 @@ def prepare(upstream: Path, work: Path) -> dict:
     if tests.exists():
         shutil.rmtree(tests)
     shutil.copytree(upstream / "tests", tests)
+    if shims:
+        compat_shims.apply(tests)  # [Note: CPU shims for upstream's test helpers]
     version = upstream / "version.txt"
     return {
         "path": str(upstream),
@@ -186,19 +199,37 @@ def prepare(upstream: Path, work: Path) -> dict:
     }
 
 
-def child_env(runtime: str, **extra) -> dict:
+def install_pytest(work: Path, version: str):
+    """The pytest the children import ([Note: the pytest upstream's tests run under]); None: this venv's."""
+    if version == "installed":
+        return None
+    target = work / f"pytest-{version}"
+    if not (target / "pytest").is_dir():
+        log(f"installing pytest {version} into {target}")
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target),
+                        f"pytest=={version}"], check=True)
+    return target
+
+
+def installed_pytest_version() -> str:
+    from importlib.metadata import version
+    return version("pytest")
+
+
+def child_env(runtime: str, pytest_dir=None, **extra) -> dict:
     env = dict(os.environ, **ENV, DEEPSPEED_ZERO3=RUNTIMES[runtime], **extra)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO / "tools"), env.get("PYTHONPATH")) if p)
+    paths = (str(REPO / "tools"), str(pytest_dir) if pytest_dir else None, env.get("PYTHONPATH"))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
     return env
 
 
-def collect(work: Path, runtime: str, timeout: int) -> dict:
+def collect(work: Path, runtime: str, timeout: int, pytest_dir) -> dict:
     out = work / f"collect.{runtime}.json"
     out.unlink(missing_ok=True)
     command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "upstream_compat", "--collect-only",
                "-q"] + [f"tests/{d}" for d in TEST_DIRS]
     log(f"collecting under {runtime}")
-    proc = subprocess.run(command, cwd=work, env=child_env(runtime, **{COLLECT_ENV: str(out)}), timeout=timeout,
+    proc = subprocess.run(command, cwd=work, env=child_env(runtime, pytest_dir, **{COLLECT_ENV: str(out)}), timeout=timeout,
                           capture_output=True, text=True)
     (work / "logs").mkdir(exist_ok=True)
     (work / "logs" / f"collect.{runtime}.log").write_text(proc.stdout + proc.stderr)
@@ -243,7 +274,7 @@ def read_junit(xml: Path, nodeids) -> dict:
     return results
 
 
-def run_file(work: Path, test_file: str, nodeids, runtime: str, timeout: int) -> dict:
+def run_file(work: Path, test_file: str, nodeids, runtime: str, timeout: int, pytest_dir) -> dict:
     stem = test_file.replace("/", "_")[:-3]
     select = work / "select" / f"{stem}.json"
     select.parent.mkdir(exist_ok=True)
@@ -259,7 +290,7 @@ def run_file(work: Path, test_file: str, nodeids, runtime: str, timeout: int) ->
     (work / "logs").mkdir(exist_ok=True)
     shm_before = set(shm_buffers())
     with open(work / "logs" / f"{stem}.{runtime}.log", "w") as output:
-        proc = subprocess.Popen(command, cwd=work, env=child_env(runtime, **{SELECT_ENV: str(select)}),
+        proc = subprocess.Popen(command, cwd=work, env=child_env(runtime, pytest_dir, **{SELECT_ENV: str(select)}),
                                 stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             rc = proc.wait(timeout=timeout)
@@ -282,17 +313,21 @@ def run_file(work: Path, test_file: str, nodeids, runtime: str, timeout: int) ->
     for leftover in set(shm_buffers()) - shm_before:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(leftover)
-    check_runtime(work / "logs" / f"{stem}.{runtime}.log", runtime)
+    check_runtime(work / "logs" / f"{stem}.{runtime}.log", runtime, pytest_dir)
     results = read_junit(xml, nodeids)
     log(f"{test_file} under {runtime}: rc {rc}, {counts(results)}")
     return results
 
 
-def check_runtime(log_file: Path, runtime: str) -> None:
-    """Stop unless the pytest process ran the runtime asked for (its header names parameter_offload's file)."""
-    served = [line.split(RUNTIME_LINE, 1)[1] for line in log_file.read_text().splitlines() if RUNTIME_LINE in line]
+def check_runtime(log_file: Path, runtime: str, pytest_dir) -> None:
+    """Stop unless the pytest process ran the runtime and the pytest asked for (its header names both)."""
+    lines = log_file.read_text().splitlines()
+    served = [line.split(RUNTIME_LINE, 1)[1] for line in lines if RUNTIME_LINE in line]
     if not served:
         return  # pytest ended before its header (e.g. a usage error); the junit XML tells
+    ran = [line.split(PYTEST_LINE, 1)[1].strip() for line in lines if PYTEST_LINE in line]
+    if pytest_dir is not None and ran and f"pytest-{ran[0]}" != pytest_dir.name:
+        sys.exit(f"{log_file}: asked for {pytest_dir.name}, but the tests ran under pytest {ran[0]}")
     ours = "deepspeed_zero3" in served[0]
     if ours != (runtime == "ours"):
         sys.exit(f"{log_file}: asked for the {runtime} runtime, but parameter_offload came from {served[0]}. "
@@ -313,7 +348,8 @@ def on_purpose(nodeid: str, our_message: str):
     return None
 
 
-def update_store(store: dict, collections: dict, ran: dict, upstream: dict, today: str) -> None:
+def update_store(store: dict, collections: dict, ran: dict, upstream: dict, today: str, shims: list,
+                 pytest_version: str) -> None:
     items = {r["nodeid"]: r for r in collections["upstream"]["items"]}
     by_file = {}
     for record in items.values():
@@ -336,6 +372,8 @@ def update_store(store: dict, collections: dict, ran: dict, upstream: dict, toda
             "scope": "every stage-3 test",
             "counts": {rt: counts(res) for rt, res in per_runtime.items()},
             "differences": differences(per_runtime),
+            "shims": shims,
+            "pytest": pytest_version,
         }
 
 
@@ -385,6 +423,16 @@ def render(store: dict) -> str:
         "  ZeRO-3 runs the same with both runtimes. The reason per test is in `compat-out/collect.upstream.json`.",
         "* Runtimes: `DEEPSPEED_ZERO3=0` (upstream untouched) and `=1` (ours), each file in its own pytest process,",
         "  one at a time, with `DS_ACCELERATOR=cpu LOCAL_SIZE=4 DS_UNITTEST_TIMEOUT=300` (gloo).",
+        f"* pytest: the children run pytest {UPSTREAM_PYTEST} (`--pytest`), the newest upstream's requirements-dev.txt",
+        "  allows (`<8.4`): from 8.4 on, pytest ignores how upstream's `DistributedFixture` declares a fixture and",
+        "  every test taking one errors *fixture not found* under both runtimes. Each row names its pytest; rows",
+        "  run under 9.2.0 (this venv's) are of files that take no `DistributedFixture`, except where said below.",
+        "* CPU shims (`tools/compat_shims.py`, on unless `--no-shims`): two helpers of upstream's suite fail on",
+        "  the CPU accelerator under both runtimes before DeepSpeed runs: DDP baselines built with",
+        "  `device_ids=[rank]` (a string on CPU) and `unit.common.reduce_boolean_flags` (tensors on device `'0'`,",
+        "  a 0-d all-gather gloo refuses). The scratch copy's `unit/common.py` gets one appended line that, on",
+        "  CPU only, leaves DDP's `device_ids` unset for CPU modules and replaces that helper; no test body or",
+        "  assertion changes. Rows run with them say *CPU shims*; rows without were run on unmodified tests.",
         "* Counts are passed / failed / skipped / xfailed. A row's *run on* date says when it was measured; rows",
         "  marked *earlier table* come from the first, hand-run measurement (same upstream commit, subsets of",
         "  some files) and have not been re-run by the script yet.",
@@ -412,6 +460,7 @@ def render(store: dict) -> str:
                 ours = ours.replace(f"/ {run['counts']['ours']['F']} /", f"/ **{run['counts']['ours']['F']}** /", 1)
             scope = f"{run['tests']}" + ("" if run["scope"] == "every stage-3 test" else f" ({run['scope']})")
             when = run["on"] + ("" if run["source"] == "make compat" else f", {run['source']}")
+            when += f", pytest {run['pytest']}" + (", CPU shims" if run.get("shims") else "")
             cells = [scope, fmt(run["counts"]["upstream"]), ours, when]
         lines.append(f"| {test_file.removeprefix('unit/')} | {entry.get('collected', '')} | {entry.get('stage3', '')} "
                      f"| {' | '.join(cells)} |")
@@ -463,10 +512,15 @@ def main(argv=None):
     parser.add_argument("--collect-only", action="store_true", help="update the collected/stage-3 counts only")
     parser.add_argument("--render-only", action="store_true", help="rebuild the table from the results store only")
     parser.add_argument("--resume", action="store_true",
-                        help="skip files the results store already holds a `make compat` run of from today "
-                        "(to continue a run that was stopped)")
+                        help="skip files the results store already holds a `make compat` run of from today, "
+                        "under the same pytest and shims (to continue a run that was stopped)")
     parser.add_argument("--timeout", type=int, default=3600, help="seconds per file and runtime (a file of 70 "
                         "distributed tests takes about 25 minutes on 2 cores)")
+    parser.add_argument("--pytest", default=UPSTREAM_PYTEST, help="pytest version the tests run under, installed "
+                        "into the work directory, or 'installed' for this venv's (default: %(default)s, the newest "
+                        "upstream's requirements-dev.txt allows)")
+    parser.add_argument("--no-shims", action="store_true", help="run upstream's tests exactly as fetched, without "
+                        "the CPU shims for two of their helpers (tools/compat_shims.py)")
     parser.add_argument("--results", type=Path, default=REPO / "docs/compat/upstream-unit-tests.json")
     parser.add_argument("--doc", type=Path, default=REPO / "docs/compat/upstream-unit-tests.md")
     args = parser.parse_args(argv)
@@ -477,9 +531,12 @@ def main(argv=None):
         args.doc.write_text(render(json.loads(args.results.read_text())))
         return 0
     args.work.mkdir(parents=True, exist_ok=True)
-    upstream = prepare(args.upstream.resolve(), args.work)
+    upstream = prepare(args.upstream.resolve(), args.work, shims=not args.no_shims)
+    shims = [] if args.no_shims else list(compat_shims.NAMES)
+    pytest_dir = install_pytest(args.work, args.pytest)
+    pytest_version = args.pytest if pytest_dir else installed_pytest_version()
     today = datetime.date.today().isoformat()
-    collections = {rt: collect(args.work, rt, args.timeout) for rt in RUNTIMES}
+    collections = {rt: collect(args.work, rt, args.timeout, pytest_dir) for rt in RUNTIMES}
     selected = {}
     for record in collections["upstream"]["items"]:
         if record["stage3"]:
@@ -490,7 +547,7 @@ def main(argv=None):
     store = json.loads(args.results.read_text()) if args.results.exists() else {}
 
     def save(ran):
-        update_store(store, collections, ran, upstream, today)
+        update_store(store, collections, ran, upstream, today, shims, pytest_version)
         args.results.write_text(json.dumps(store, indent=1, sort_keys=True) + "\n")
         args.doc.write_text(render(store))
 
@@ -501,10 +558,13 @@ def main(argv=None):
         for test_file, nodeids in sorted(selected.items(), key=lambda kv: (len(kv[1]), kv[0])):
             if args.files is not None and not any(test_file.endswith(f) for f in args.files):
                 continue
-            if args.resume and ((store.get("files", {}).get(test_file) or {}).get("run") or {}).get("on") == today:
+            earlier = (store.get("files", {}).get(test_file) or {}).get("run") or {}
+            if args.resume and (earlier.get("on"), earlier.get("pytest"), earlier.get("shims")) == (
+                    today, pytest_version, shims):
                 continue
             wait_while_paused(args.work)
-            save({test_file: {rt: run_file(args.work, test_file, nodeids, rt, args.timeout) for rt in RUNTIMES}})
+            save({test_file: {rt: run_file(args.work, test_file, nodeids, rt, args.timeout, pytest_dir)
+                              for rt in RUNTIMES}})
     log(f"wrote {args.results.relative_to(REPO)} and {args.doc.relative_to(REPO)}")
     unexplained = [d for e in store["files"].values() for d in (e.get("run") or {}).get("differences", [])
                    if not d["category"]]
