@@ -151,3 +151,38 @@ def test_a_guess_that_misses_fetches_on_demand_and_records_what_ran(route, deman
         expected = torch.nn.functional.linear(expected, weight, bias)
     assert torch.equal(out, expected)
     engine.destroy()
+
+
+class LeafBranches(torch.nn.Module):
+    """Upstream's ``TestZeroUserBackwardLeafModule`` model, wider: a ModuleList made a z3 leaf never runs a forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.branches = torch.nn.ModuleList([torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)])
+        self.final = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.final(self.branches[0](x) + self.branches[1](x))
+
+
+def test_a_leaf_container_is_gathered_by_the_getter_not_prefetched():
+    """The registration guess leaves out a leaf that cannot run a forward ([Note: first-pass prediction]): its
+    parameters are gathered by ``ZeROOrderedDict``'s getter as they are read, and registered as the root's
+    external parameters, as upstream does. The guess used to prefetch them for the leaf, whose fetch never
+    comes, and the getter handed the forward a parameter still in flight (``mat2 must be a matrix``)."""
+    torch.manual_seed(0)
+    model = LeafBranches()
+    deepspeed.utils.set_z3_leaf_modules(model, [torch.nn.ModuleList])
+    engine = training_engine(model, zero3_config(bucket=1_000, reuse=0))
+    for step in range(3):
+        mse_loss(engine(batch(step, torch.distributed.get_rank()))).backward()  # a user backward, as upstream's
+    records = [(p["kind"], p["allgather_calls"], p["allgather_numel"], p["demand_numel"]) for p in passes(engine)]
+    # Forward 0: final prefetched (272); the branches (544) through the getter, outside the coordinator's counts.
+    # Backward 0: the root's fetch now covers its external branches (544); final was kept. From step 1 the root's
+    # forward fetch gathers them on demand (its replayed trace step was recorded before they were registered),
+    # and the backward finds the whole model (816 < one bucket) kept.
+    assert records == [("forward", 1, 272, 0), ("backward", 1, 544, 0)] + [("forward", 2, 816, 544),
+                                                                              ("backward", 0, 0, 0)] * 2
+    assert set(model._external_params.values()) == set(model.branches.parameters())  # both weights and biases
+    assert deepspeed_zero3.get_zero3_stats(engine)["live_numel"] == 0
+    engine.destroy()

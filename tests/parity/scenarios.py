@@ -291,6 +291,39 @@ def z3_leaf_modules(run: Run, args):
     run.hash_params(model)
 
 
+class LeafBranches(torch.nn.Module):
+    """Upstream's ``TestZeroUserBackwardLeafModule`` model: a ModuleList leaf, which never runs a forward itself."""
+
+    def __init__(self):
+        super().__init__()
+        self.branches = torch.nn.ModuleList([torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)])
+        self.final = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.final(self.branches[0](x) + self.branches[1](x))
+
+
+def z3_leaf_container_user_backward(run: Run, args):
+    """A ModuleList made a z3 leaf, loss.backward() without engine.backward, gradients accumulated over the
+    micro-batches. No optimizer step: stage 3's zero_grad raises "unknown parameter type" for this model under
+    both runtimes. Compared: losses and each parameter's full accumulated gradient."""
+    torch.manual_seed(13)
+    model = LeafBranches()
+    deepspeed.utils.set_z3_leaf_modules(model, [torch.nn.ModuleList])
+    engine = run.engine(training_engine(model, zero3_config(**PREFETCH)))
+    for step in range(STEPS):
+        loss = mse_loss(engine(x(step)))
+        loss.backward()
+        run.loss(loss.item())
+    digest = hashlib.sha256()
+    for name, param in model.named_parameters():
+        grad = deepspeed.utils.safe_get_full_grad(param)
+        digest.update(name.encode())
+        digest.update(grad.detach().to("cpu").contiguous().numpy().tobytes())
+    run.extra["same_grads_sha256"] = digest.hexdigest()
+    run.hash_params(model)
+
+
 def grad_accumulation_2(run: Run, args):
     """gradient_accumulation_steps=2: backward and step every micro-batch, DeepSpeed finds the boundary."""
     torch.manual_seed(12)
@@ -410,6 +443,7 @@ SCENARIOS = {
         zero_init,
         tied_weights,
         z3_leaf_modules,
+        z3_leaf_container_user_backward,
         grad_accumulation_2,
         gathered_parameters_in_loop,
         checkpoint_round_trip,

@@ -24,6 +24,16 @@ def test_registration_guess_keeps_modules_with_params_in_ds_id_order():
     assert guess.module_ids == (1, 3, 4)
 
 
+def test_registration_guess_leaves_out_a_leaf_that_cannot_run_a_forward():
+    """A z3 leaf ModuleList fetches its subtree but never runs: its parameters are read through the getter."""
+    p = [zparam(i, n) for i, n in enumerate([4, 8])]
+    container = zmodule(1, p[0], container=True)
+    container._z3_leaf = True
+    prediction = FirstPassPrediction()
+    prediction.managed_modules = lambda: [zmodule(0), container, zmodule(2, p[1])]
+    assert prediction.forward_guess(PassKind.FORWARD, TraceCache()).module_ids == (2, )
+
+
 def test_eval_forward_borrows_the_training_forward_and_backward_reverses_it():
     _, (root, a, box, b, c) = tree()
     cache = TraceCache()

@@ -28,5 +28,5 @@ def test_ranges_are_named_by_module_class_and_ds_id_under_a_profiler():
         with profiling.pass_range("prefetch", " backward start", [zparam(3, 5)]):
             pass
     names = {event.name for event in prof.events()}
-    assert {"ZeRO3::fetch Module ds_id=7 forward", "ZeRO3::prefetch Module ds_id=7 (2 params, 7 numel)",
+    assert {"ZeRO3::fetch ZModule ds_id=7 forward", "ZeRO3::prefetch ZModule ds_id=7 (2 params, 7 numel)",
             "ZeRO3::prefetch backward start (1 params, 5 numel)"} <= names

@@ -15,9 +15,17 @@ def zparam(ds_id, numel, status=ZeroParamStatus.NOT_AVAILABLE, persist=False):
     return param
 
 
-def zmodule(ds_id, *params, external=()):
-    """A module owning ``params`` (registered in the order given) and fetching ``external`` as external params."""
-    module = nn.Module()
+class ZModule(nn.Module):
+    """A module that can run (its class has a forward): guesses leave out the ones that cannot."""
+
+    def forward(self, *args):
+        return args
+
+
+def zmodule(ds_id, *params, external=(), container=False):
+    """A module owning ``params`` (registered in the order given) and fetching ``external`` as external params;
+    ``container``: one without a forward of its own, as ``nn.ModuleList``."""
+    module = nn.Module() if container else ZModule()
     module.ds_id = ds_id
     for index, param in enumerate(params):
         module.register_parameter(f"p{index}", param)

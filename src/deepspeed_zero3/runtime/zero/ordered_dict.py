@@ -47,7 +47,12 @@ class ZeROOrderedDict(OrderedDict):
         if fallback is not None and param.ds_status == ZeroParamStatus.AVAILABLE and not is_dynamo_guard_evaluation():
             fallback.record_param_access(param)
 
-        if param.ds_status == ZeroParamStatus.NOT_AVAILABLE:
+        if param.ds_status == ZeroParamStatus.INFLIGHT and fallback is None:
+            # [Note: a parameter read while in flight]
+            if FWD_MODULE_STACK:
+                register_external_parameter(FWD_MODULE_STACK[-1], param)
+            _complete_gather(self._parent_module, param)
+        elif param.ds_status == ZeroParamStatus.NOT_AVAILABLE:
             if fallback is None:
                 if FWD_MODULE_STACK:
                     register_external_parameter(FWD_MODULE_STACK[-1], param)
@@ -61,6 +66,29 @@ class ZeROOrderedDict(OrderedDict):
                 fallback.record_gathered_param(param)
             _announce_getter_gather(key, param)
         return param
+
+
+def _complete_gather(module, param) -> None:
+    """[Note: a parameter read while in flight]
+    A prefetch may have started gathering a parameter that is then read by a module whose own fetch never
+    runs for it. The children of a z3 leaf module have no hooks, and a leaf that is a container
+    (``set_z3_leaf_modules(model, [nn.ModuleList])``, upstream's ``TestZeroUserBackwardLeafModule``) never
+    runs a forward of its own: its parameters are read through this getter only, while the first pass's
+    guess ([Note: first-pass prediction]) prefetched them as the leaf's. Upstream's getter gathers only
+    ``NOT_AVAILABLE`` parameters (its first pass prefetches nothing); returned as it was, an ``INFLIGHT``
+    parameter is its empty placeholder (``mat2 must be a matrix, got 1-D tensor``). So the getter completes
+    that gather through the coordinator that started it, which also lets the stream wait for it, and
+    registers the parameter as external, as for a ``NOT_AVAILABLE`` one.
+    """
+    from deepspeed_zero3.runtime.zero.param_registry import REGISTRY_ATTR, find_registry
+
+    owner = module if REGISTRY_ATTR in module.__dict__ else getattr(param, "ds_z3_leaf_module", None)
+    registry = find_registry(owner) if owner is not None else None
+    if registry is None:
+        raise RuntimeError(f"deepspeed-zero3: parameter ds_id={param.ds_id} shape={tuple(param.ds_shape)} of "
+                           f"{type(module).__name__} is INFLIGHT, and no deepspeed-zero3 engine manages that module "
+                           "or a z3 leaf module above it to complete the gather")
+    registry.coordinator.complete_gather(param)
 
 
 def _announce_getter_gather(key, param) -> None:

@@ -404,6 +404,17 @@ class PartitionedParameterCoordinator:
             if self.param_layout is not None:
                 self.param_layout.after_fetch(current_submodule)
 
+    @eager_only  # [Note: what Dynamo may trace]
+    @torch.no_grad()
+    def complete_gather(self, param: Parameter) -> None:
+        """Finish the prefetch of ``param`` for a read outside its module's fetch ([Note: a parameter read while
+        in flight], ordered_dict.py)."""
+        with self.lock:
+            self.gatherer.wait([param])
+            if param.ds_status != ZeroParamStatus.AVAILABLE:
+                raise RuntimeError(f"deepspeed-zero3: parameter ds_id={param.ds_id} shape={tuple(param.ds_shape)} "
+                                   f"is {param.ds_status.name} after completing its gather; expected AVAILABLE")
+
     def _params_to_fetch(self, module: Module, step: int) -> Sequence[Parameter]:
         """``fetch_params(module)``, from the replayed trace when it holds them ([Note: cached parameter lists])."""
         progress = self.progress

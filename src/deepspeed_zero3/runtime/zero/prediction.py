@@ -16,8 +16,13 @@ in order of preference:
   guess); else the reverse of that forward; with no forward to follow (one that
   raised), the most recent backward trace.
 
-A guess keeps only the modules that fetch parameters, in that order, and is
-followed loosely ([Note: trace selection]). A module run twice, or in an order
+A guess keeps only the modules that fetch parameters and can run a forward of
+their own, in that order, and is followed loosely ([Note: trace selection]). A
+container (``nn.ModuleList``, ``nn.ModuleDict``) made a z3 leaf has no forward:
+its children have no hooks (a leaf's subtree is fetched by the leaf), so their
+parameters are only ever gathered by ``ZeROOrderedDict``'s getter, one at a
+time, as upstream gathers them; a prefetch for that leaf would gather what no
+fetch waits for ([Note: a parameter read while in flight]). A module run twice, or in an order
 other than its registration (a training-only branch registered last but run
 before the head), is a miss: from there the pass fetches on demand, as a
 divergence from a cached trace does. A guess is a ``PredictedTrace``, which the
@@ -39,13 +44,19 @@ from deepspeed_zero3.runtime.zero.trace import PassTrace, TraceCache
 OTHER_FORWARD = {PassKind.FORWARD: PassKind.EVAL_FORWARD, PassKind.EVAL_FORWARD: PassKind.FORWARD}
 
 
+def runs_a_forward(module: Module) -> bool:
+    """False for a module whose class leaves ``nn.Module.forward`` unimplemented (containers): calling it raises,
+    so its forward hooks never fire."""
+    return type(module).forward is not Module.forward
+
+
 class PredictedTrace(PassTrace):
     """A guessed module order: the modules that fetch parameters, in the order the guess expects them."""
 
     predicted = True
 
     def __init__(self, kind: PassKind, modules: Sequence[Module], source: str):
-        super().__init__(kind, [m for m in modules if fetch_params(m, strict=False)])
+        super().__init__(kind, [m for m in modules if runs_a_forward(m) and fetch_params(m, strict=False)])
         self.source = source  # "registration", "borrowed", "reversed": for logs and tests
 
     def describe(self) -> str:
