@@ -3,6 +3,10 @@
 # then this package with `pip install .` (the activation .pth needs a real install, not -e).
 
 PYTHON ?= python3
+# Extra pip arguments for torch. This workplace's package mirror serves the CPU build of 2.13.0; from PyPI a
+# Linux machine gets the multi-GB CUDA build, so on a CPU-only machine elsewhere pass
+# TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu".
+TORCH_PIP_ARGS ?=
 # Upstream release to test against: any of src/deepspeed_zero3/_compat.py's SUPPORTED_DEEPSPEED_VERSIONS, each in
 # its own venv (the default keeps .venv); e.g. make test DEEPSPEED_VERSION=0.19.4.
 SUPPORTED_DEEPSPEED_VERSIONS := $(shell sed -n 's/^SUPPORTED_DEEPSPEED_VERSIONS = //p' src/deepspeed_zero3/_compat.py | tr -d '(),"')
@@ -41,7 +45,7 @@ $(BIN)/python:
 	$(BIN)/pip install -q --upgrade pip
 
 $(VENV)/.installed: $(BIN)/python pyproject.toml setup.py $(shell find src -name '*.py' -o -name '*.pth')
-	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q torch==2.13.0 $(TORCH_PIP_ARGS)
 	$(BIN)/pip install -q deepspeed==$(DEEPSPEED_VERSION)
 	$(BIN)/pip install -q ".[test]"
 	touch $@

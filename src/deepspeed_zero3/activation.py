@@ -143,7 +143,7 @@ def overlay_status():
     return {
         "active": active and _installed_finder() is not None,
         "reason": reason if _installed_finder() is not None else "the activation hook is not installed "
-        "(is deepspeed_zero3.pth in site-packages? `pip install -e .` does not ship it)",
+        "(is deepspeed_zero3_activate.pth in site-packages? `pip install -e .` does not ship it)",
         "deepspeed_version": installed_deepspeed_version(),
         "supported_versions": list(SUPPORTED_DEEPSPEED_VERSIONS),
         "modules": modules,
