@@ -179,10 +179,41 @@ def test_a_leaf_container_is_gathered_by_the_getter_not_prefetched():
     records = [(p["kind"], p["allgather_calls"], p["allgather_numel"], p["demand_numel"]) for p in passes(engine)]
     # Forward 0: final prefetched (272); the branches (544) through the getter, outside the coordinator's counts.
     # Backward 0: the root's fetch now covers its external branches (544); final was kept. From step 1 the root's
-    # forward fetch gathers them on demand (its replayed trace step was recorded before they were registered),
-    # and the backward finds the whole model (816 < one bucket) kept.
+    # own fetch, the pass's first, gathers them as its external parameters (on demand: nothing runs before the
+    # root to prefetch them, as upstream), and the backward finds the whole model (816 < one bucket) kept.
     assert records == [("forward", 1, 272, 0), ("backward", 1, 544, 0)] + [("forward", 2, 816, 544),
                                                                               ("backward", 0, 0, 0)] * 2
     assert set(model._external_params.values()) == set(model.branches.parameters())  # both weights and biases
+    assert deepspeed_zero3.get_zero3_stats(engine)["live_numel"] == 0
+    engine.destroy()
+
+
+class ReadsAhead(torch.nn.Module):
+    """The root reads ``c.weight`` before ``c`` runs."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(16, 16)
+        self.c = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.c(self.a(x) @ self.c.weight.t())
+
+
+def test_a_parameter_read_before_its_module_runs_is_registered_though_prefetched():
+    """[Note: a parameter read while in flight] The first forward's guess has ``c.weight`` gathered ahead (one
+    bucket covers the model) when the root reads it: it is registered as the root's external parameter, as
+    upstream registers it (partitioned there), so the root's backward fetch holds it for the matmul's gradient."""
+    torch.manual_seed(0)
+    model = ReadsAhead()
+    engine = training_engine(model, zero3_config(bucket=1_000, reuse=0))
+    for step in range(3):
+        train(engine, step)
+    assert set(model._external_params.values()) == {model.c.weight}
+    records = [(p["kind"], p["allgather_calls"], p["allgather_numel"], p["demand_numel"]) for p in passes(engine)]
+    # Step 0: one prefetch of the whole model (544), kept for the backward. Then the root's own fetch gathers
+    # c.weight (256, on demand: the pass's first fetch) and c's fetch prefetches the rest (c.bias, a).
+    assert records == [("forward", 1, 544, 0), ("backward", 0, 0, 0)] + [("forward", 2, 544, 256),
+                                                                         ("backward", 0, 0, 0)] * 2
     assert deepspeed_zero3.get_zero3_stats(engine)["live_numel"] == 0
     engine.destroy()

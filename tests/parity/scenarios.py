@@ -324,6 +324,29 @@ def z3_leaf_container_user_backward(run: Run, args):
     run.hash_params(model)
 
 
+class ReadsAhead(torch.nn.Module):
+    """The root reads ``c.weight`` before ``c`` runs: on the first pass the guess has it in flight by then."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(16, 16)
+        self.c = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.c(self.a(x) @ self.c.weight.t())
+
+
+def read_ahead_of_its_module(run: Run, args):
+    """A parameter read (ZeROOrderedDict's getter) while a prefetch for its own module has it in flight
+    ([Note: a parameter read while in flight])."""
+    torch.manual_seed(14)
+    model = ReadsAhead()
+    engine = run.engine(training_engine(model, zero3_config(**PREFETCH)))
+    for step in range(STEPS):
+        run.loss(train_step(engine, x(step)))
+    run.hash_params(model)
+
+
 def grad_accumulation_2(run: Run, args):
     """gradient_accumulation_steps=2: backward and step every micro-batch, DeepSpeed finds the boundary."""
     torch.manual_seed(12)
@@ -444,6 +467,7 @@ SCENARIOS = {
         tied_weights,
         z3_leaf_modules,
         z3_leaf_container_user_backward,
+        read_ahead_of_its_module,
         grad_accumulation_2,
         gathered_parameters_in_loop,
         checkpoint_round_trip,

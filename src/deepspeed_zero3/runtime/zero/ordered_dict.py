@@ -14,6 +14,8 @@ import torch
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus, register_external_parameter
 from deepspeed.utils.logging import logger
 
+from deepspeed_zero3.runtime.zero.gather import held_by_gathered_parameters
+
 # Modules whose forward is running, innermost last. The engine's root is at the bottom.
 FWD_MODULE_STACK = []
 
@@ -47,11 +49,13 @@ class ZeROOrderedDict(OrderedDict):
         if fallback is not None and param.ds_status == ZeroParamStatus.AVAILABLE and not is_dynamo_guard_evaluation():
             fallback.record_param_access(param)
 
-        if param.ds_status == ZeroParamStatus.INFLIGHT and fallback is None:
-            # [Note: a parameter read while in flight]
-            if FWD_MODULE_STACK:
-                register_external_parameter(FWD_MODULE_STACK[-1], param)
-            _complete_gather(self._parent_module, param)
+        if param.ds_status != ZeroParamStatus.NOT_AVAILABLE:
+            if fallback is None and _gathered_ahead_unclaimed(param):
+                # [Note: a parameter read while in flight]
+                if FWD_MODULE_STACK:
+                    register_external_parameter(FWD_MODULE_STACK[-1], param)
+                if param.ds_status == ZeroParamStatus.INFLIGHT:
+                    _complete_gather(self._parent_module, param)
         elif param.ds_status == ZeroParamStatus.NOT_AVAILABLE:
             if fallback is None:
                 if FWD_MODULE_STACK:
@@ -68,18 +72,26 @@ class ZeROOrderedDict(OrderedDict):
         return param
 
 
-def _complete_gather(module, param) -> None:
+def _gathered_ahead_unclaimed(param) -> bool:
     """[Note: a parameter read while in flight]
-    A prefetch may have started gathering a parameter that is then read by a module whose own fetch never
-    runs for it. The children of a z3 leaf module have no hooks, and a leaf that is a container
-    (``set_z3_leaf_modules(model, [nn.ModuleList])``, upstream's ``TestZeroUserBackwardLeafModule``) never
-    runs a forward of its own: its parameters are read through this getter only, while the first pass's
-    guess ([Note: first-pass prediction]) prefetched them as the leaf's. Upstream's getter gathers only
-    ``NOT_AVAILABLE`` parameters (its first pass prefetches nothing); returned as it was, an ``INFLIGHT``
-    parameter is its empty placeholder (``mat2 must be a matrix, got 1-D tensor``). So the getter completes
-    that gather through the coordinator that started it, which also lets the stream wait for it, and
-    registers the parameter as external, as for a ``NOT_AVAILABLE`` one.
+    Upstream's getter acts on ``NOT_AVAILABLE`` parameters only: read in a forward while partitioned, a
+    parameter is gathered and registered as an external parameter of the module running, whose fetches cover
+    it from then on (in the backward too, where autograd needs it again). Upstream's first pass prefetches
+    nothing, so every such read of a first pass finds the parameter partitioned. Ours replays a guess from the
+    first pass ([Note: first-pass prediction]), so a module that reads another module's parameter before that
+    module runs (``self.c(self.a(x) @ self.c.weight.t())``) finds it already in flight or gathered ahead. It
+    would get an ``INFLIGHT`` parameter's empty placeholder ("size of tensor a (0) must match"), and, never
+    registered, the backward would find it released. So a parameter read while gathered or in flight that no
+    running fetch holds (no ``ds_active_sub_modules``; not persistent, not held by ``GatheredParameters``) is
+    registered as external as if it had been partitioned, and a gather in flight is completed through the
+    coordinator that started it (which also makes the stream wait for it).
     """
+    return not (param.ds_active_sub_modules or param.ds_persist or held_by_gathered_parameters(param))
+
+
+def _complete_gather(module, param) -> None:
+    """Complete ``param``'s gather in flight ([Note: a parameter read while in flight]), found from its module or,
+    for a child of a z3 leaf module (which has no hooks of its own), from that leaf."""
     from deepspeed_zero3.runtime.zero.param_registry import REGISTRY_ATTR, find_registry
 
     owner = module if REGISTRY_ATTR in module.__dict__ else getattr(param, "ds_z3_leaf_module", None)
