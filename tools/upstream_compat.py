@@ -426,7 +426,7 @@ def render(store: dict) -> str:
         f"* pytest: the children run pytest {UPSTREAM_PYTEST} (`--pytest`), the newest upstream's requirements-dev.txt",
         "  allows (`<8.4`): from 8.4 on, pytest ignores how upstream's `DistributedFixture` declares a fixture and",
         "  every test taking one errors *fixture not found* under both runtimes. Each row names its pytest; rows",
-        "  run under 9.2.0 (this venv's) are of files that take no `DistributedFixture`, except where said below.",
+        "  run under 9.2.0 (this venv's) are of files that take no `DistributedFixture`.",
         "* CPU shims (`tools/compat_shims.py`, on unless `--no-shims`): two helpers of upstream's suite fail on",
         "  the CPU accelerator under both runtimes before DeepSpeed runs: DDP baselines built with",
         "  `device_ids=[rank]` (a string on CPU) and `unit.common.reduce_boolean_flags` (tensors on device `'0'`,",
