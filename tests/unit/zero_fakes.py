@@ -12,6 +12,7 @@ def zparam(ds_id, numel, status=ZeroParamStatus.NOT_AVAILABLE, persist=False):
     param.ds_numel = numel
     param.ds_status = status
     param.ds_persist = persist
+    param.ds_active_sub_modules = set()
     return param
 
 
