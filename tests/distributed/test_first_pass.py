@@ -13,7 +13,7 @@ import deepspeed
 import deepspeed_zero3
 from deepspeed_zero3.testing.engines import (batch, gathered_copies, inference_engine, mse_loss, training_engine,
                                              zero3_config)
-from deepspeed_zero3.testing.models import ResidualMLPBlock, model_a, model_b
+from deepspeed_zero3.testing.models import LeafBranches, ReadsAhead, ResidualMLPBlock, model_a, model_b
 
 # model, bucket, and per pass kind: (gathered numel, all-gather calls, peak live numel). Forward and eval
 # forward: the whole model; peak = the module in use + the window. Backward: what the forward did not keep,
@@ -153,18 +153,6 @@ def test_a_guess_that_misses_fetches_on_demand_and_records_what_ran(route, deman
     engine.destroy()
 
 
-class LeafBranches(torch.nn.Module):
-    """Upstream's ``TestZeroUserBackwardLeafModule`` model, wider: a ModuleList made a z3 leaf never runs a forward."""
-
-    def __init__(self):
-        super().__init__()
-        self.branches = torch.nn.ModuleList([torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)])
-        self.final = torch.nn.Linear(16, 16)
-
-    def forward(self, x):
-        return self.final(self.branches[0](x) + self.branches[1](x))
-
-
 def test_a_leaf_container_is_gathered_by_the_getter_not_prefetched():
     """The registration guess leaves out a leaf that cannot run a forward ([Note: first-pass prediction]): its
     parameters are gathered by ``ZeROOrderedDict``'s getter as they are read, and registered as the root's
@@ -186,18 +174,6 @@ def test_a_leaf_container_is_gathered_by_the_getter_not_prefetched():
     assert set(model._external_params.values()) == set(model.branches.parameters())  # both weights and biases
     assert deepspeed_zero3.get_zero3_stats(engine)["live_numel"] == 0
     engine.destroy()
-
-
-class ReadsAhead(torch.nn.Module):
-    """The root reads ``c.weight`` before ``c`` runs."""
-
-    def __init__(self):
-        super().__init__()
-        self.a = torch.nn.Linear(16, 16)
-        self.c = torch.nn.Linear(16, 16)
-
-    def forward(self, x):
-        return self.c(self.a(x) @ self.c.weight.t())
 
 
 def test_a_parameter_read_before_its_module_runs_is_registered_though_prefetched():

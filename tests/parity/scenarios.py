@@ -36,7 +36,7 @@ import deepspeed.runtime.zero.partitioned_param_coordinator as partitioned_param
 
 from deepspeed_zero3.testing.engines import (batch, inference_engine, mse_loss, token_batch, train_step,
                                              training_engine, zero3_config)
-from deepspeed_zero3.testing.models import ResidualMLPBlock, TinyGPT, model_b
+from deepspeed_zero3.testing.models import LeafBranches, ReadsAhead, ResidualMLPBlock, TinyGPT, model_b
 from scenarios_firstpass import capped_default_reuse
 from scenarios_nvme import nvme_param_offload
 from scenarios_compile import (compile_aot_eager_llama, compile_aot_eager_llama_default_buckets, compile_aot_eager_mlp,
@@ -291,18 +291,6 @@ def z3_leaf_modules(run: Run, args):
     run.hash_params(model)
 
 
-class LeafBranches(torch.nn.Module):
-    """Upstream's ``TestZeroUserBackwardLeafModule`` model: a ModuleList leaf, which never runs a forward itself."""
-
-    def __init__(self):
-        super().__init__()
-        self.branches = torch.nn.ModuleList([torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)])
-        self.final = torch.nn.Linear(16, 16)
-
-    def forward(self, x):
-        return self.final(self.branches[0](x) + self.branches[1](x))
-
-
 def z3_leaf_container_user_backward(run: Run, args):
     """A ModuleList made a z3 leaf, loss.backward() without engine.backward, gradients accumulated over the
     micro-batches. No optimizer step: stage 3's zero_grad raises "unknown parameter type" for this model under
@@ -322,18 +310,6 @@ def z3_leaf_container_user_backward(run: Run, args):
         digest.update(grad.detach().to("cpu").contiguous().numpy().tobytes())
     run.extra["same_grads_sha256"] = digest.hexdigest()
     run.hash_params(model)
-
-
-class ReadsAhead(torch.nn.Module):
-    """The root reads ``c.weight`` before ``c`` runs: on the first pass the guess has it in flight by then."""
-
-    def __init__(self):
-        super().__init__()
-        self.a = torch.nn.Linear(16, 16)
-        self.c = torch.nn.Linear(16, 16)
-
-    def forward(self, x):
-        return self.c(self.a(x) @ self.c.weight.t())
 
 
 def read_ahead_of_its_module(run: Run, args):

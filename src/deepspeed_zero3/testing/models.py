@@ -121,6 +121,31 @@ class Wrapper(nn.Module):
         return self.module(*args, **kwargs)
 
 
+class LeafBranches(nn.Module):
+    """Upstream's ``TestZeroUserBackwardLeafModule`` model, wider: made a z3 leaf, ``branches`` (a ModuleList)
+    never runs a forward of its own ([Note: a parameter read while in flight])."""
+
+    def __init__(self, dim: int = 16):
+        super().__init__()
+        self.branches = nn.ModuleList([nn.Linear(dim, dim), nn.Linear(dim, dim)])
+        self.final = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        return self.final(self.branches[0](x) + self.branches[1](x))
+
+
+class ReadsAhead(nn.Module):
+    """The root reads ``c.weight`` before ``c`` runs ([Note: a parameter read while in flight])."""
+
+    def __init__(self, dim: int = 16):
+        super().__init__()
+        self.a = nn.Linear(dim, dim)
+        self.c = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        return self.c(self.a(x) @ self.c.weight.t())
+
+
 def count_params(model: nn.Module) -> int:
     """Parameter count, also for a model already partitioned by ZeRO-3 (``ds_numel``)."""
     return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
