@@ -206,8 +206,12 @@ def install_pytest(work: Path, version: str):
     target = work / f"pytest-{version}"
     if not (target / "pytest").is_dir():
         log(f"installing pytest {version} into {target}")
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target),
-                        f"pytest=={version}"], check=True)
+        pip = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target),
+                              f"pytest=={version}"])
+        if pip.returncode != 0:
+            sys.exit(f"--pytest {version}: pip could not install pytest=={version} (exit {pip.returncode}); pass a "
+                     f"released pytest version (upstream's suite needs one below 8.4; default {UPSTREAM_PYTEST}) "
+                     "or 'installed' for this venv's")
     return target
 
 
@@ -229,8 +233,8 @@ def collect(work: Path, runtime: str, timeout: int, pytest_dir) -> dict:
     command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "upstream_compat", "--collect-only",
                "-q"] + [f"tests/{d}" for d in TEST_DIRS]
     log(f"collecting under {runtime}")
-    proc = subprocess.run(command, cwd=work, env=child_env(runtime, pytest_dir, **{COLLECT_ENV: str(out)}), timeout=timeout,
-                          capture_output=True, text=True)
+    proc = subprocess.run(command, cwd=work, env=child_env(runtime, pytest_dir, **{COLLECT_ENV: str(out)}),
+                          timeout=timeout, capture_output=True, text=True)
     (work / "logs").mkdir(exist_ok=True)
     (work / "logs" / f"collect.{runtime}.log").write_text(proc.stdout + proc.stderr)
     if not out.exists():
@@ -425,8 +429,9 @@ def render(store: dict) -> str:
         "  one at a time, with `DS_ACCELERATOR=cpu LOCAL_SIZE=4 DS_UNITTEST_TIMEOUT=300` (gloo).",
         f"* pytest: the children run pytest {UPSTREAM_PYTEST} (`--pytest`), the newest upstream's requirements-dev.txt",
         "  allows (`<8.4`): from 8.4 on, pytest ignores how upstream's `DistributedFixture` declares a fixture and",
-        "  every test taking one errors *fixture not found* under both runtimes. Each row names its pytest; rows",
-        "  run under 9.2.0 (this venv's) are of files that take no `DistributedFixture`.",
+        "  every test taking one errors *fixture not found* under both runtimes. Each row names the pytest it ran",
+        "  under; in upstream's 0.19.6 snapshot only `test_universal_checkpoint.py` and `test_zero_optimizer.py` take",
+        "  a `DistributedFixture`.",
         "* CPU shims (`tools/compat_shims.py`, on unless `--no-shims`): two helpers of upstream's suite fail on",
         "  the CPU accelerator under both runtimes before DeepSpeed runs: DDP baselines built with",
         "  `device_ids=[rank]` (a string on CPU) and `unit.common.reduce_boolean_flags` (tensors on device `'0'`,",
@@ -477,9 +482,9 @@ def render(store: dict) -> str:
         "full `make compat`.",
         "",
         f"Collected on {store['collected_on']} under both runtimes. Collection errors: "
-        + "; ".join(f"{rt}: {len(errs)}" for rt, errs in store.get("collect_errors", {}).items()) + ".",
+        + "; ".join(f"{rt}: {len(errs)}" for rt, errs in sorted(store.get("collect_errors", {}).items())) + ".",
     ]
-    for rt, errs in store.get("collect_errors", {}).items():
+    for rt, errs in sorted(store.get("collect_errors", {}).items()):
         for err in errs:
             lines.append(f"* {rt}: `{err['nodeid']}`: `{err['error'].strip().splitlines()[-1][:200]}`")
     lines += ["", "## Tests whose outcome differs between the runtimes", ""]

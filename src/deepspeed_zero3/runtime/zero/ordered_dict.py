@@ -56,7 +56,7 @@ class ZeROOrderedDict(OrderedDict):
                     register_external_parameter(FWD_MODULE_STACK[-1], param)
                 if param.ds_status == ZeroParamStatus.INFLIGHT:
                     _complete_gather(self._parent_module, param)
-        elif param.ds_status == ZeroParamStatus.NOT_AVAILABLE:
+        else:
             if fallback is None:
                 if FWD_MODULE_STACK:
                     register_external_parameter(FWD_MODULE_STACK[-1], param)

@@ -22,10 +22,10 @@ container (``nn.ModuleList``, ``nn.ModuleDict``) made a z3 leaf has no forward:
 its children have no hooks (a leaf's subtree is fetched by the leaf), so their
 parameters are only ever gathered by ``ZeROOrderedDict``'s getter, one at a
 time, as upstream gathers them; a prefetch for that leaf would gather what no
-fetch waits for ([Note: a parameter read while in flight]). A module run twice, or in an order
-other than its registration (a training-only branch registered last but run
-before the head), is a miss: from there the pass fetches on demand, as a
-divergence from a cached trace does. A guess is a ``PredictedTrace``, which the
+fetch waits for ([Note: a parameter read while in flight]). A module run twice,
+or in an order other than its registration (a training-only branch registered
+last but run before the head), is a miss: from there the pass fetches on
+demand, as a divergence from a cached trace does. A guess is a ``PredictedTrace``, which the
 cache never takes: the pass records the order it observed, so the next pass of
 the kind replays what really ran. Keeping for the backward ([Note: budgeted
 keeping]) reads the same expected backward, so what a forward keeps is what the
@@ -51,7 +51,8 @@ def runs_a_forward(module: Module) -> bool:
 
 
 class PredictedTrace(PassTrace):
-    """A guessed module order: the modules that fetch parameters, in the order the guess expects them."""
+    """A guessed module order: the modules that fetch parameters and can run a forward, in the order the guess
+    expects them."""
 
     predicted = True
 
