@@ -267,3 +267,42 @@ def test_one_rank_forward_between_a_forward_and_its_backward(make_model):
     assert solo_gathers == 0
     assert losses == expected_losses
     assert all(torch.equal(a, b) for a, b in zip(params, expected_params))
+
+
+def test_grad_forward_on_one_rank_under_gathered_parameters_keeps_the_ranks_in_step():
+    """Rank 0 alone runs a forward with grad enabled inside GatheredParameters (a loss logged without no_grad).
+    It gathers nothing, so it must not count as a forward before the next backward: that count decides what the
+    next forward keeps for its backward ([Note: budgeted keeping]), and a rank that kept other parameters would
+    pair other all-gathers in the backward. Checked where it would go wrong: right after the next forward, every
+    rank holds the same gathered numel; then the run equals one without the solo forward, counts and bits."""
+    rank = torch.distributed.get_rank()
+
+    def run(solo: bool):
+        torch.manual_seed(0)
+        model = model_b()
+        engine = training_engine(model, zero3_config(bucket=20_000, reuse=0))
+        losses = []
+        for step in range(3):
+            loss = mse_loss(engine(batch(step, rank)))
+            everyone = [None] * torch.distributed.get_world_size()
+            torch.distributed.all_gather_object(everyone, deepspeed_zero3.get_zero3_stats(engine)["live_numel"])
+            # What the forward keeps for its backward at reuse 0 (head and the last down projection), on every rank.
+            assert everyone == [16_708] * len(everyone), f"step {step}: gathered numel per rank {everyone}"
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+            if solo:
+                with deepspeed.zero.GatheredParameters(list(model.parameters())):
+                    if rank == 0:
+                        model(batch(200 + step, 0)).sum()
+        records = [(p["kind"], p["allgather_calls"], p["allgather_numel"])
+                   for p in deepspeed_zero3.get_zero3_stats(engine)["passes"] if p["allgather_calls"] > 0]
+        params = gathered_copies(model.parameters())
+        engine.destroy()
+        return losses, params, records
+
+    losses, params, records = run(solo=True)
+    expected_losses, expected_params, expected_records = run(solo=False)
+    assert records == expected_records
+    assert losses == expected_losses
+    assert all(torch.equal(a, b) for a, b in zip(params, expected_params, strict=True))

@@ -24,7 +24,7 @@ def is_eager_only(function) -> bool:
 def test_every_installed_hook_is_eager_only():
     router = HookRouter(coordinator=None)
     module = nn.Linear(2, 2)
-    handles = router.install_module_hooks(module) + router.install_root_hooks(module)
+    handles = router.install_module_hooks(module).all() + router.install_root_hooks(module)
     hooks = list(module._forward_pre_hooks.values()) + list(module._forward_hooks.values())
     assert len(hooks) == len(handles) == 6
     assert [h for h in hooks if not is_eager_only(h)] == []

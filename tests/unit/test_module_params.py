@@ -8,7 +8,7 @@ from deepspeed.runtime.zero.partition_parameters import register_external_parame
 from deepspeed.utils import set_z3_leaf_modules
 
 from deepspeed_zero3.runtime.zero.module_params import fetch_params, params_signature
-from deepspeed_zero3.runtime.zero.stats import PassKind
+from deepspeed_zero3.runtime.zero.passes import PassKind
 from deepspeed_zero3.runtime.zero.trace import PassTrace
 from zero_fakes import zmodule, zparam
 

@@ -14,7 +14,8 @@ from deepspeed.compile.z3_eager_fallback import DeepCompileZ3EagerFallback
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
 from deepspeed_zero3.runtime.zero import parameter_offload
-from deepspeed_zero3.runtime.zero.ordered_dict import FWD_MODULE_STACK, ZeROOrderedDict
+from deepspeed_zero3.runtime.zero.hooks import FWD_MODULE_STACK
+from deepspeed_zero3.runtime.zero.ordered_dict import ZeROOrderedDict
 
 
 def partitioned_module(ds_id=5):

@@ -1,9 +1,9 @@
 """First-pass guesses ([Note: first-pass prediction]) and the keep plan ([Note: budgeted keeping]), on fakes."""
 
 from deepspeed_zero3.runtime.zero.keeping import plan_kept
-from deepspeed_zero3.runtime.zero.prediction import FirstPassPrediction, PredictedTrace
+from deepspeed_zero3.runtime.zero.prediction import PassPrediction, PredictedTrace
 from deepspeed_zero3.runtime.zero.settings import PrefetchSettings
-from deepspeed_zero3.runtime.zero.stats import PassKind
+from deepspeed_zero3.runtime.zero.passes import PassKind
 from deepspeed_zero3.runtime.zero.trace import PassProgress, PassTrace, StepOutcome, TraceCache
 from zero_fakes import zmodule, zparam
 
@@ -17,7 +17,7 @@ def tree():
 
 def test_registration_guess_keeps_modules_with_params_in_ds_id_order():
     _, modules = tree()
-    prediction = FirstPassPrediction()
+    prediction = PassPrediction()
     prediction.managed_modules = lambda: list(reversed(modules))
     guess = prediction.forward_guess(PassKind.FORWARD, TraceCache())
     assert guess.predicted and guess.source == "registration"
@@ -29,7 +29,7 @@ def test_registration_guess_leaves_out_a_leaf_that_cannot_run_a_forward():
     p = [zparam(i, n) for i, n in enumerate([4, 8])]
     container = zmodule(1, p[0], container=True)
     container._z3_leaf = True
-    prediction = FirstPassPrediction()
+    prediction = PassPrediction()
     prediction.managed_modules = lambda: [zmodule(0), container, zmodule(2, p[1])]
     assert prediction.forward_guess(PassKind.FORWARD, TraceCache()).module_ids == (2, )
 
@@ -39,7 +39,7 @@ def test_eval_forward_borrows_the_training_forward_and_backward_reverses_it():
     cache = TraceCache()
     forward = PassTrace(PassKind.FORWARD, [root, a, box, b, c])
     cache.add(forward)
-    prediction = FirstPassPrediction()
+    prediction = PassPrediction()
     borrowed = prediction.forward_guess(PassKind.EVAL_FORWARD, cache)
     assert borrowed.source == "borrowed" and borrowed.kind is PassKind.EVAL_FORWARD
     assert borrowed.module_ids == (1, 3, 4)
@@ -76,14 +76,19 @@ def test_keep_plan_is_the_backward_prefix_within_cap_less_bucket_and_reuse():
     p, (root, a, box, b, c) = tree()
     forward = PassTrace(PassKind.FORWARD, [root, a, box, b, c])
     backward = PassTrace(PassKind.BACKWARD, [c, b, a])
-    settings = lambda cap, reuse, bucket=1: PrefetchSettings(bucket, cap, reuse)
+
+    def settings(cap, reuse, bucket=1):
+        """The backward keeping's limits (keeping.BackwardKeeping.keeps) for these settings."""
+        values = PrefetchSettings(bucket, cap, reuse)
+        return max(values.max_reuse_numel, values.bucket_numel), values.max_live_numel - values.bucket_numel
+
     # reuse 0 keeps what is back within one bucket: c (distance 0); b (4) only with a bucket over 4
-    assert plan_kept(forward, backward, settings(100, 0)) == {p[2]}
-    assert plan_kept(forward, backward, settings(100, 0, bucket=5)) == {p[2], p[1]}
-    assert plan_kept(forward, backward, settings(100, 4, bucket=5)) == {p[2], p[1]}  # the larger of the two
-    assert plan_kept(forward, backward, settings(100, 10**9)) == {p[0], p[1], p[2]}
-    assert plan_kept(forward, backward, settings(11, 10**9)) == {p[2], p[1]}  # 10 <= 11 - 1
-    assert plan_kept(forward, backward, settings(10, 10**9)) == {p[2]}  # c, then b does not fit: stop
+    assert plan_kept(forward, backward, *settings(100, 0)) == {p[2]}
+    assert plan_kept(forward, backward, *settings(100, 0, bucket=5)) == {p[2], p[1]}
+    assert plan_kept(forward, backward, *settings(100, 4, bucket=5)) == {p[2], p[1]}  # the larger of the two
+    assert plan_kept(forward, backward, *settings(100, 10**9)) == {p[0], p[1], p[2]}
+    assert plan_kept(forward, backward, *settings(11, 10**9)) == {p[2], p[1]}  # 10 <= 11 - 1
+    assert plan_kept(forward, backward, *settings(10, 10**9)) == {p[2]}  # c, then b does not fit: stop
     # reuse distance of b: forward after its last use (c: 2) + backward before its first use (c: 2) = 4
-    assert plan_kept(forward, backward, settings(100, 4)) == {p[2]}
-    assert plan_kept(forward, backward, settings(100, 5)) == {p[2], p[1]}
+    assert plan_kept(forward, backward, *settings(100, 4)) == {p[2]}
+    assert plan_kept(forward, backward, *settings(100, 5)) == {p[2], p[1]}

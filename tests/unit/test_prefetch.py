@@ -6,7 +6,7 @@ from torch import nn
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
 from deepspeed_zero3.runtime.zero.prefetch import PassPrefetcher
-from deepspeed_zero3.runtime.zero.stats import PassKind
+from deepspeed_zero3.runtime.zero.passes import PassKind
 from deepspeed_zero3.runtime.zero.trace import PassTrace
 from zero_fakes import zmodule, zparam
 

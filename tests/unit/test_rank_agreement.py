@@ -5,7 +5,7 @@ from torch import nn
 
 from deepspeed_zero3.runtime.zero.rank_agreement import (CHECK_RANKS_ENV, MAX_PENDING_PASSES, PassOrderCheck,
                                                          check_ranks_from_env)
-from deepspeed_zero3.runtime.zero.stats import PassKind
+from deepspeed_zero3.runtime.zero.passes import PassKind
 
 
 class Other(nn.Identity):

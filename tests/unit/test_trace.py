@@ -2,7 +2,7 @@
 
 import pytest
 
-from deepspeed_zero3.runtime.zero.stats import PassKind
+from deepspeed_zero3.runtime.zero.passes import PassKind
 from deepspeed_zero3.runtime.zero.trace import (PassProgress, PassTrace, ReplayState, StepOutcome, TraceCache)
 from zero_fakes import zmodule, zparam
 

@@ -41,7 +41,7 @@ def per_fetch_us(window: int, modules) -> float:
     """Median over REPEATS of the mean time per fetch of a pass over ``modules`` at ``window``."""
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
     from deepspeed_zero3.runtime.zero.prefetch import PassPrefetcher
-    from deepspeed_zero3.runtime.zero.stats import PassKind
+    from deepspeed_zero3.runtime.zero.passes import PassKind
     from deepspeed_zero3.runtime.zero.trace import PassTrace
 
     trace = PassTrace(PassKind.FORWARD, modules)

@@ -17,7 +17,8 @@ from typing import Deque, Iterable, List
 from torch.nn import Parameter
 
 from deepspeed.accelerator import get_accelerator
-from deepspeed.runtime.zero.partition_parameters import DS_Z3_GATHERED_PARAM_CONTEXT_DEPTH_ATTR, ZeroParamStatus
+from deepspeed.runtime.zero.partition_parameters import (DS_Z3_GATHERED_PARAM_CONTEXT_DEPTH_ATTR, AllGatherCoalescedHandle,
+                                                         ZeroParamStatus)
 
 MAX_QUEUED_FETCH_EVENTS = 2
 
@@ -100,7 +101,7 @@ class Gatherer:
             issued.append(subgroup)
         return issued
 
-    def wait(self, params: Iterable[Parameter]) -> None:
+    def wait(self, params: Iterable[Parameter], fast_leaf: bool = False) -> None:
         """Block until each of ``params`` is AVAILABLE (those in flight are completed here).
 
         [Note: the stream dependency] Whatever was popped here, the current stream then waits for the
@@ -109,11 +110,20 @@ class Gatherer:
         stream was current: by a coalesced sibling's wait, or kept for reuse, claimed by the prefetcher, kept
         for the backward. The stream running this module has not waited for that copy yet, and would read
         ``param.data`` before the gather has written it.
+
+        ``fast_leaf``: upstream's wait for a z3 leaf under ``fast_sharding_for_leaf_module`` ([Note: fast
+        sharding for leaf modules]): the gathered memory takes no compute-stream dependency, no back-pressure
+        event is recorded, the stream waits only if a handle was popped, and the partitions are dropped at
+        the end.
         """
         accelerator = get_accelerator()
+        popped = False
         for param in params:
             handle = self.inflight.pop(param, None)
-            if handle is None or getattr(handle, "complete", False):
+            if handle is None:
+                continue
+            popped = True
+            if getattr(handle, "complete", False):
                 # [Note: one event per completed gather] A coalesced handle completes all its parameters at its
                 # first wait; that wait recorded the event that back-pressure counts. Upstream records one more
                 # per parameter of it, which fills the bounded queue with gathers already counted, so the host
@@ -124,13 +134,18 @@ class Gatherer:
                     self.queued_events.popleft()
                 if len(self.queued_events) > MAX_QUEUED_FETCH_EVENTS:
                     self.queued_events.popleft().synchronize()
+                if fast_leaf:
+                    handle.wait(handle_dependency=False)
+                    continue
                 handle.wait()
                 if not accelerator.handles_memory_backpressure():
                     event = accelerator.Event()
                     event.record()
                     self.queued_events.append(event)
-        if not accelerator.resolves_data_dependency():
+        if (popped or not fast_leaf) and not accelerator.resolves_data_dependency():
             accelerator.current_stream().wait_stream(self.allgather_stream)
+        if fast_leaf:
+            AllGatherCoalescedHandle.free_buffer()
 
     def wait_all(self) -> List[Parameter]:
         """Complete every gather in flight; returns the parameters that were in flight."""
@@ -140,24 +155,11 @@ class Gatherer:
         return params
 
 
-def is_available(param: Parameter) -> bool:
-    return param.ds_status == ZeroParamStatus.AVAILABLE
-
-
 def held_by_gathered_parameters(param: Parameter) -> bool:
     """Gathered by an open ``deepspeed.zero.GatheredParameters`` context, which partitions it when it exits.
 
     Such a parameter is the context's, not ours: released under it, a module that uses it again (or the
     backward that it was kept for) would gather it again, and inside the context a forward may run on one
-    rank only. Upstream 0.19.8 marks these parameters with a context depth; its own coordinator ignores it.
+    rank only. Upstream marks these parameters with a context depth; its own coordinator ignores it.
     """
     return getattr(param, DS_Z3_GATHERED_PARAM_CONTEXT_DEPTH_ATTR, 0) > 0
-
-
-def holds_full_buffer(param: Parameter) -> bool:
-    """Available or in flight: both hold a full-size buffer."""
-    return param.ds_status != ZeroParamStatus.NOT_AVAILABLE
-
-
-def numel_of(params: Iterable[Parameter]) -> int:
-    return sum(p.ds_numel for p in params)

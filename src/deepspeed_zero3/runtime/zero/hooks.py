@@ -1,18 +1,21 @@
 """The ZeRO-3 hooks on each module, routed to the coordinator of the module's registry.
 
-Per module, four hooks (the same points upstream hooks):
-  pre-forward   fetch the module's parameters; count inputs that will receive gradients
-  forward       release after the forward (always called, also when the forward raises)
-  forward       wrap outputs so that the gradient reaching them fetches the parameters (pre-backward)
-and the input wrapping makes the last input gradient release them (post-backward).
+Per module, the points upstream hooks:
+  forward     a pre-forward hook fetches the module's parameters; a forward hook (always called, also
+              when the forward raises) releases them;
+  backward    a forward hook wraps the outputs, so that the gradient reaching them fetches the
+              parameters (pre-backward); a pre-forward hook wraps the inputs and counts those that
+              will receive a gradient, the last of which releases them (post-backward).
 Per root module, two more mark where a forward pass begins and ends.
 
-Nothing here reads ``nn.Module.training``. Every hook and backward callback is ``eager_only``
-([Note: what Dynamo may trace] in ``eager.py``).
+The hooks own their own state: the stack of modules whose forward is running, and each module's count
+of input gradients still to come. Nothing here reads ``nn.Module.training``. Every hook and backward
+callback is ``eager_only`` ([Note: what Dynamo may trace] in ``eager.py``).
 """
 
 import sys
-from typing import List
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, List, Tuple
 
 import torch
 from torch.nn import Module
@@ -22,7 +25,12 @@ from deepspeed.runtime.zero.partition_parameters import register_external_parame
 from deepspeed.runtime.zero.utils import apply_to_tensors_only, is_zero_param
 
 from deepspeed_zero3.runtime.zero.eager import eager_only
-from deepspeed_zero3.runtime.zero.ordered_dict import FWD_MODULE_STACK
+
+if TYPE_CHECKING:
+    from deepspeed_zero3.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
+
+# Modules whose forward is running, innermost last (upstream's name). The engine's root is at the bottom.
+FWD_MODULE_STACK: List[Module] = []
 
 
 class BackwardHook(torch.autograd.Function):
@@ -54,27 +62,40 @@ def handle_is_live(handle: RemovableHandle) -> bool:
     return hooks is not None and handle.id in hooks
 
 
+@dataclass(frozen=True)
+class ModuleHooks:
+    """The handles of one module's hooks, in upstream's two groups (``forward_hooks``, ``backward_hooks``)."""
+    forward: Tuple[RemovableHandle, ...]
+    backward: Tuple[RemovableHandle, ...]
+
+    def all(self) -> Tuple[RemovableHandle, ...]:
+        return self.forward + self.backward
+
+    def live(self) -> bool:
+        return all(handle_is_live(h) for h in self.all())
+
+
 class HookRouter:
     """Installs the hooks and turns hook events into coordinator calls."""
 
-    def __init__(self, coordinator):
+    def __init__(self, coordinator: "PartitionedParameterCoordinator"):
         self.coordinator = coordinator
 
     # ---------------------------------------------------------------- installation
 
-    def install_module_hooks(self, module: Module) -> List[RemovableHandle]:
-        return [
-            module.register_forward_pre_hook(self._pre_forward),
-            module.register_forward_hook(self._post_forward, always_call=True),
-            module.register_forward_hook(self._wrap_outputs),
-            module.register_forward_pre_hook(self._wrap_inputs),
-        ]
+    def install_module_hooks(self, module: Module) -> ModuleHooks:
+        return ModuleHooks(
+            forward=(module.register_forward_pre_hook(self._pre_forward),
+                     module.register_forward_hook(self._post_forward, always_call=True)),
+            backward=(module.register_forward_hook(self._wrap_outputs),
+                      module.register_forward_pre_hook(self._wrap_inputs)),
+        )
 
-    def install_root_hooks(self, root: Module) -> List[RemovableHandle]:
-        return [
+    def install_root_hooks(self, root: Module) -> Tuple[RemovableHandle, ...]:
+        return (
             root.register_forward_pre_hook(self._enter_root, prepend=True),
             root.register_forward_hook(self._exit_root, always_call=True),
-        ]
+        )
 
     # ---------------------------------------------------------------- pass boundaries
 
@@ -96,8 +117,7 @@ class HookRouter:
 
     @eager_only
     def _post_forward(self, module, args, output):
-        if FWD_MODULE_STACK and FWD_MODULE_STACK[-1] is module:
-            FWD_MODULE_STACK.pop()
+        pop_forward_module(module)
         if sys.exc_info()[0] is None:
             self._register_returned_params(module, output)
         self.coordinator.release_sub_module(module, forward=True)
@@ -124,15 +144,22 @@ class HookRouter:
     def _wrap_inputs(self, module, args):
         if not torch.is_grad_enabled():
             return None
+        self._begin_grad_count(module)
 
         def wrap(tensor):
             if not tensor.requires_grad:
                 return tensor
-            self.coordinator.expect_input_grad(module)
+            module.ds_grads_remaining += 1
             return BackwardHook.apply(self.input_grad_done, module, tensor)
 
-        self.coordinator.begin_module_grad_count(module)
         return apply_to_tensors_only(wrap, args, warning_msg_fn=_unexpected_type_warning)
+
+    def _begin_grad_count(self, module: Module) -> None:
+        """Start counting ``module``'s gradient-carrying inputs, once per pass (a module may run twice in one)."""
+        stamp = self.coordinator.stats.passes_started
+        if module.__dict__.get("_zero3_grad_stamp") != stamp:
+            module._zero3_grad_stamp = stamp
+            module.ds_grads_remaining = 0
 
     @eager_only
     def _wrap_outputs(self, module, args, output):
@@ -152,8 +179,18 @@ class HookRouter:
 
     @eager_only
     def input_grad_done(self, module):
-        if self.coordinator.input_grad_arrived(module):
+        # Autograd may run this on its own threads (GPU, a z3 leaf with several outputs).
+        with self.coordinator.lock:
+            module.ds_grads_remaining -= 1
+            last = module.ds_grads_remaining == 0
+        if last:
             self.coordinator.release_sub_module(module, forward=False)
+
+
+def pop_forward_module(module: Module) -> None:
+    """``module``'s forward ended: take it off ``FWD_MODULE_STACK`` if it is on top."""
+    if FWD_MODULE_STACK and FWD_MODULE_STACK[-1] is module:
+        FWD_MODULE_STACK.pop()
 
 
 def _tensors_of(output):

@@ -15,9 +15,8 @@ from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus, registe
 from deepspeed.utils.logging import logger
 
 from deepspeed_zero3.runtime.zero.gather import held_by_gathered_parameters
-
-# Modules whose forward is running, innermost last. The engine's root is at the bottom.
-FWD_MODULE_STACK = []
+from deepspeed_zero3.runtime.zero.hooks import FWD_MODULE_STACK
+from deepspeed_zero3.runtime.zero.param_registry import REGISTRY_ATTR, find_registry
 
 
 class ZeROOrderedDict(OrderedDict):
@@ -92,8 +91,6 @@ def _gathered_ahead_unclaimed(param) -> bool:
 def _complete_gather(module, param) -> None:
     """Complete ``param``'s gather in flight ([Note: a parameter read while in flight]), found from its module or,
     for a child of a z3 leaf module (which has no hooks of its own), from that leaf."""
-    from deepspeed_zero3.runtime.zero.param_registry import REGISTRY_ATTR, find_registry
-
     owner = module if REGISTRY_ATTR in module.__dict__ else getattr(param, "ds_z3_leaf_module", None)
     registry = find_registry(owner) if owner is not None else None
     if registry is None:

@@ -23,7 +23,7 @@ both values.
 """
 
 import weakref
-from typing import Dict, List, Optional
+from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
 from torch.nn import Module
 from torch.utils.hooks import RemovableHandle
@@ -31,8 +31,11 @@ from torch.utils.hooks import RemovableHandle
 from deepspeed.utils import z3_leaf_module
 from deepspeed.utils.logging import logger
 
-from deepspeed_zero3.runtime.zero.hooks import HookRouter, handle_is_live
+from deepspeed_zero3.runtime.zero.hooks import HookRouter, ModuleHooks, handle_is_live
 from deepspeed_zero3.runtime.zero.settings import PrefetchSettings
+
+if TYPE_CHECKING:
+    from deepspeed_zero3.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
 
 REGISTRY_ATTR = "_zero3_registry"
 
@@ -49,15 +52,15 @@ def find_registry(module: Module) -> Optional["ParamStateRegistry"]:
 class ParamStateRegistry:
     """Hooks, coordinator and owners of one managed module tree."""
 
-    def __init__(self, coordinator, fixed_settings: Dict[str, object]):
+    def __init__(self, coordinator: "PartitionedParameterCoordinator", fixed_settings: Dict[str, object]):
         self.coordinator = coordinator
         self.router = HookRouter(coordinator)
         self.fixed_settings = dict(fixed_settings)
         self.alive = True
         self.next_ds_id = 0
         # Weak keys: a wrapper module dropped with its engine (Lightning's pattern) must not be kept alive here.
-        self.module_hooks: Dict[Module, List[RemovableHandle]] = weakref.WeakKeyDictionary()
-        self.root_hooks: Dict[Module, List[RemovableHandle]] = weakref.WeakKeyDictionary()
+        self.module_hooks: Dict[Module, ModuleHooks] = weakref.WeakKeyDictionary()
+        self.root_hooks: Dict[Module, Tuple[RemovableHandle, ...]] = weakref.WeakKeyDictionary()
         # (weak owner, its prefetch settings), in joining order.
         self.owners: List = []
         coordinator.prediction.managed_modules = self.managed_modules  # [Note: first-pass prediction]
@@ -77,10 +80,9 @@ class ParamStateRegistry:
                 module.ds_id = self.next_ds_id
                 self.next_ds_id += 1
                 module.__dict__[REGISTRY_ATTR] = self
-            if module.__dict__.get("ds_recompute_parameters") is None:
-                module.ds_recompute_parameters = set()
-            if not all(handle_is_live(h) for h in self.module_hooks.get(module, [])) or module not in self.module_hooks:
-                for handle in self.module_hooks.get(module, []):
+            hooks = self.module_hooks.get(module)
+            if hooks is None or not hooks.live():
+                for handle in hooks.all() if hooks is not None else ():
                     handle.remove()
                 self.module_hooks[module] = self.router.install_module_hooks(module)
             if z3_leaf_module(module):
@@ -88,7 +90,7 @@ class ParamStateRegistry:
                     param.ds_z3_leaf_module = module
             else:
                 stack.extend(reversed(list(module.children())))
-        handles = self.root_hooks.get(root, [])
+        handles = self.root_hooks.get(root, ())
         if not handles or not all(handle_is_live(h) for h in handles):
             for handle in handles:
                 handle.remove()
@@ -102,7 +104,8 @@ class ParamStateRegistry:
         return sum(handle_is_live(h) for h in self.handles())
 
     def handles(self) -> List[RemovableHandle]:
-        return [h for hs in list(self.module_hooks.values()) + list(self.root_hooks.values()) for h in hs]
+        module_handles = [h for hooks in list(self.module_hooks.values()) for h in hooks.all()]
+        return module_handles + [h for handles in list(self.root_hooks.values()) for h in handles]
 
     def remove_all_hooks(self) -> None:
         for handle in self.handles():

@@ -10,39 +10,30 @@ What differs from upstream's module:
 
 * Hooks, traces and the coordinator belong to the module tree's registry, not
   to this object; its hook lists are views of the registry's live handles.
-* Every module-level name of upstream's module exists here
-  ([Note: upstream's module names] in ``partitioned_param_coordinator.py``):
-  the names upstream imports are the same objects, and ``ZeROOrderedDict``'s
+* Every module-level name of upstream's module exists here, re-exported from
+  ``upstream_names.py`` ([Note: upstream's module names]); ``ZeROOrderedDict``'s
   getter announces a gather through this module's ``print_rank_0``, as
   upstream's does.
 """
+
+from deepspeed_zero3.runtime.zero.upstream_names import *  # noqa: F401,F403  [Note: upstream's module names]
+from deepspeed_zero3.runtime.zero.upstream_names import (_apply_forward_and_backward_to_tensors_only,  # noqa: F401
+                                                         _init_external_params, _inject_parameters)
 
 import sys
 
 import torch
 
-from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
-from deepspeed.runtime.zero.partition_parameters import Init, _init_external_params
-from deepspeed.runtime.zero.utils import is_zero_param
 from deepspeed.accelerator import get_accelerator
-# Upstream's module-level names ([Note: upstream's module names] in partitioned_param_coordinator.py).
-from collections import OrderedDict
-from deepspeed import utils
-from deepspeed.runtime.zero.partition_parameters import *  # noqa: F401,F403
-from deepspeed.runtime.utils import see_memory_usage
-from deepspeed.runtime.zero.utils import apply_to_tensors_only
-from deepspeed.utils import set_z3_leaf_module, z3_leaf_module
-try:  # deepspeed >= 0.19.5, whose parameter_offload imports it
-    from deepspeed.utils.pin_memory_tracker import pinned_memory_summary
-except ImportError:
-    pass
-from deepspeed_zero3.runtime.zero.partitioned_param_coordinator import iter_params
+from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
+from deepspeed.runtime.zero.partition_parameters import Init
+from deepspeed.runtime.zero.utils import is_zero_param
 
 from deepspeed_zero3.runtime.zero.gather import InflightParamRegistry
-from deepspeed_zero3.runtime.zero.hooks import handle_is_live
+from deepspeed_zero3.runtime.zero.hooks import FWD_MODULE_STACK, handle_is_live, pop_forward_module
 from deepspeed_zero3.runtime.zero.leaf_granularity import apply_granularity_threshold, check_granularity_threshold
-from deepspeed_zero3.runtime.zero.ordered_dict import (FWD_MODULE_STACK, ZeROOrderedDict, ensure_zero_ordered_dict,
-                                                       inject_zero_ordered_dicts)
+from deepspeed_zero3.runtime.zero.module_params import iter_params  # noqa: F401 (upstream imports it from the coordinator)
+from deepspeed_zero3.runtime.zero.ordered_dict import ZeROOrderedDict, ensure_zero_ordered_dict, inject_zero_ordered_dicts
 from deepspeed_zero3.runtime.zero.param_registry import ParamStateRegistry, find_registry
 from deepspeed_zero3.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
 from deepspeed_zero3.runtime.zero.settings import PrefetchSettings
@@ -232,7 +223,7 @@ class DeepSpeedZeRoOffload:
     @property
     def forward_hooks(self):
         # Live handles only: upstream's unwrap_model_for_generation removes them and checks the list is empty.
-        return [h for hs in self.registry.module_hooks.values() for h in hs[:2] if handle_is_live(h)]
+        return [h for hooks in self.registry.module_hooks.values() for h in hooks.forward if handle_is_live(h)]
 
     @forward_hooks.setter
     def forward_hooks(self, handles):
@@ -241,7 +232,7 @@ class DeepSpeedZeRoOffload:
 
     @property
     def backward_hooks(self):
-        return [h for hs in self.registry.module_hooks.values() for h in hs[2:] if handle_is_live(h)]
+        return [h for hooks in self.registry.module_hooks.values() for h in hooks.backward if handle_is_live(h)]
 
     @backward_hooks.setter
     def backward_hooks(self, handles):
@@ -249,7 +240,7 @@ class DeepSpeedZeRoOffload:
 
     @property
     def fwd_pre_hook(self):
-        return self.registry.root_hooks.get(self.module, [None])[0]
+        return self.registry.root_hooks.get(self.module, (None, ))[0]
 
     def _remove_module_hooks(self):
         """Remove every ZeRO-3 hook of the module tree (DeepCompile takes over the fetching)."""
@@ -285,8 +276,7 @@ class DeepSpeedZeRoOffload:
 
     @torch.no_grad()
     def post_sub_module_forward_function(self, sub_module):
-        if FWD_MODULE_STACK and FWD_MODULE_STACK[-1] is sub_module:
-            FWD_MODULE_STACK.pop()
+        pop_forward_module(sub_module)
         self.param_coordinator.release_sub_module(sub_module, forward=True)
 
     @torch.no_grad()
@@ -296,43 +286,3 @@ class DeepSpeedZeRoOffload:
     @torch.no_grad()
     def post_sub_module_backward_function(self, sub_module):
         self.param_coordinator.release_sub_module(sub_module, forward=False)
-
-
-# ---------------------------------------------------------------- upstream's module-level helpers
-
-
-def _apply_forward_and_backward_to_tensors_only(module, forward_function, backward_function, outputs):
-    """Call ``forward_function`` on each tensor of ``outputs`` (tuples searched recursively) and register
-    ``backward_function`` as the gradient hook of those that require grad; ``outputs`` is returned as is.
-
-    Upstream's output helper, for callers of its name: our own output wrapping is ``HookRouter`` in ``hooks.py``.
-    Like upstream's, it looks into plain tuples only and at exact ``torch.Tensor`` objects.
-    """
-    if type(outputs) is tuple:
-        return tuple(
-            _apply_forward_and_backward_to_tensors_only(module, forward_function, backward_function, item)
-            for item in outputs)
-    if type(outputs) is torch.Tensor:
-        forward_function(outputs)
-        if outputs.requires_grad:
-            outputs.register_hook(backward_function)
-    return outputs
-
-
-def _inject_parameters(module, cls):
-    """Give every module under ``module`` a ``_parameters`` container of class ``cls``, keeping the old one as
-    ``_original_parameters`` (upstream's name).
-
-    For ``ZeROOrderedDict`` this is ``inject_zero_ordered_dicts``: idempotent, and the container kept is the
-    one from before the first wrap, so un-injection restores the module's own. Any other class is built with
-    no arguments and filled in order, as upstream does.
-    """
-    if cls is ZeROOrderedDict:
-        inject_zero_ordered_dicts(module)
-        return
-    for submodule in module.modules():
-        container = cls()
-        for key, param in submodule._parameters.items():
-            container[key] = param
-        submodule._original_parameters = submodule._parameters
-        submodule._parameters = container

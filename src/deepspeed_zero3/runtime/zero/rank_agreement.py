@@ -48,7 +48,7 @@ from torch.nn import Module
 from deepspeed import comm as dist
 from deepspeed.accelerator import get_accelerator
 
-from deepspeed_zero3.runtime.zero.stats import PassKind
+from deepspeed_zero3.runtime.zero.passes import PassKind
 
 CHECK_RANKS_ENV = "DEEPSPEED_ZERO3_CHECK_RANKS"
 AGREEMENT_ADVICE = ("ZeRO-3 needs every rank to run the same modules in the same order; make data-dependent "

@@ -6,16 +6,10 @@ as it gathers and releases; nothing here issues a collective.
 """
 
 import collections
-import enum
 from dataclasses import asdict, dataclass, field
-from typing import Deque, Dict, List, Optional
+from typing import Deque, Dict, Optional
 
-
-class PassKind(enum.Enum):
-    """What kind of pass is running, decided by grad mode and autograd, never by ``nn.Module.training``."""
-    FORWARD = "forward"  # forward with grad enabled: a backward may follow
-    EVAL_FORWARD = "eval_forward"  # forward with grad disabled
-    BACKWARD = "backward"  # everything the autograd engine runs, recomputation included
+from deepspeed_zero3.runtime.zero.passes import PassKind
 
 
 @dataclass
@@ -139,10 +133,6 @@ class ZeroStats:
             "totals": {kind: asdict(t) for kind, t in self.totals.items()},
             "outside_pass": self.outside_pass.as_dict(),
         }
-
-
-def passes_of(history: List[PassStats], kind: PassKind) -> List[PassStats]:
-    return [s for s in history if s.kind == kind.value]
 
 
 STATS_EVERY_ENV = "DEEPSPEED_ZERO3_STATS_EVERY"

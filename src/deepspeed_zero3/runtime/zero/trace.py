@@ -1,33 +1,16 @@
 """Recorded module order of one pass, and a small cache of them.
 
 [Note: trace selection]
-A pass is identified by what actually runs, never by ``nn.Module.training``.
-Its kind (forward with grad, forward without grad, backward) picks a cache
-bucket; inside the bucket the most recently used trace is replayed first. The
-order observed so far is checked against it at every module; at the first
-difference the cache is searched, most recent first, for a trace whose prefix
-equals everything observed, and the pass switches to it. If none fits, the pass
-finishes by recording (on-demand fetches only) and the observed order becomes a
-new cache entry when the pass ends normally.
-
-Every input to that choice (the pass kind, the observed module order, the
-cache contents and their recency) is the same on every rank as long as the
-ranks run the same modules, so the ranks make the same choice and issue the
-same collectives. Ranks that run different modules are caught by the
-cross-rank order check ([Note: diverging ranks] in ``rank_agreement.py``).
-
-A pass kind with no trace of its own yet replays a guess ([Note: first-pass
-prediction] in ``prediction.py``): a forward borrows the most recent trace of the
-other forward kind, else takes the module registration order (``ds_id`` order);
-a backward takes the reverse of the forward it follows. A guess lists only the
-modules that fetch parameters and is followed loosely: a module without
-parameters of its own (the root, a container) may run anywhere without leaving
-it, since nothing is gathered or released for it. Any other difference is a
-miss, handled as above (a cached trace of the kind, else demand fetches). A guess
-is never recorded or moved to the front of the cache: the pass records what it
-observed, as a pass without a guess does. The guess is built from the module
-tree, its ``ds_id`` numbering (the same on every rank, [Note: sharing one module
-tree]) and the cache contents, so it too is the same on every rank.
+A pass is identified by what runs, never by ``nn.Module.training``. Its kind (forward
+with grad, forward without, backward) picks a cache bucket, and the bucket's most
+recently used trace is replayed. At each module the observed order is checked against
+it; at the first difference the pass switches to the most recent cached trace whose
+prefix equals everything observed, else it records from there (fetching on demand),
+and its order becomes a new entry when it ends normally. A guess ([Note: first-pass
+prediction]) is followed loosely: a module without parameters may run anywhere in it.
+Invariant: every input to the choice (kind, observed order, cache contents and recency)
+is equal on every rank while the ranks run the same modules, so they issue the same
+collectives; ranks that do not are caught by [Note: diverging ranks].
 """
 
 import bisect
@@ -38,11 +21,14 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from torch.nn import Module, Parameter
 
 from deepspeed_zero3.runtime.zero.module_params import fetch_params, params_signature
-from deepspeed_zero3.runtime.zero.stats import PassKind
+from deepspeed_zero3.runtime.zero.passes import PassKind
 
 
 class PassTrace:
-    """The module order of one completed pass and the parameter uses derived from it (immutable)."""
+    """The module order of one completed pass and the parameter uses derived from it.
+
+    The order and the uses never change once built; the coordinator links a forward trace to the backward
+    that followed it (``next_backward``, ``forwards_per_backward``)."""
 
     # A guess made before the pass ran (prediction.py), not an observed order: never cached.
     predicted = False
@@ -190,9 +176,6 @@ class PassProgress:
         self.observed_ids: List[int] = []
         # Step of ``trace`` the pass is at: the observed index, except on a guess ([Note: trace selection]).
         self.trace_step = -1
-        # Backward passes: set when the autograd graph task that began the pass completed. A graph task that
-        # raised never sets it, which is how a backward cut short by an exception is told from a finished one.
-        self.autograd_finished = False
 
     @property
     def step(self) -> int:

@@ -1,0 +1,60 @@
+"""The state of the one pass that runs now.
+
+[Note: the running pass]
+At most one pass runs at a time: a forward from the root's pre-forward hook to its
+forward hook, a backward from its first backward hook to the end of
+``engine.backward()`` ([Note: one prefetcher per pass]). Everything that belongs to
+that pass alone lives on one ``RunningPass``, held as ``coordinator.running``:
+its kind, where it stands against its trace, its prefetcher, the parameter list
+each module's fetch took, the modules whose backward has begun and not ended,
+and its counters. The coordinator creates it in ``_begin_pass`` and drops it in
+``_end_pass``, nowhere else, so a pass's state cannot leak into the next one and
+no field needs clearing by hand. ``running is None`` is the idle state.
+State that outlives a pass is the coordinator's: what is gathered (``live``,
+``kept``) and the traces, and the link from a forward to its backward
+(``BackwardKeeping``).
+"""
+
+from typing import Dict, Optional, Tuple
+
+from torch.nn import Module, Parameter
+
+from deepspeed_zero3.runtime.zero.passes import PassKind
+from deepspeed_zero3.runtime.zero.prefetch import PassPrefetcher
+from deepspeed_zero3.runtime.zero.stats import PassStats
+from deepspeed_zero3.runtime.zero.trace import PassProgress, PassTrace
+
+
+class RunningPass:
+    """One pass from its start to its end ([Note: the running pass])."""
+
+    def __init__(self, kind: PassKind, progress: PassProgress, prefetcher: Optional[PassPrefetcher],
+                 stats: PassStats):
+        self.kind = kind
+        self.progress = progress
+        self.prefetcher = prefetcher  # None: prefetching is off, or the pass left its trace
+        self.stats = stats
+        # Module ds_id -> the parameter list its fetch in this pass read from the trace: its release covers
+        # exactly that list ([Note: cached parameter lists]).
+        self.fetched_from: Dict[int, Tuple[Parameter, ...]] = {}
+        # Backward passes: modules fetched whose post-backward hook has not fired yet.
+        self.active_backward: Dict[int, Module] = {}
+        # Backward passes: set when the autograd graph task that began the pass completed. A graph task that
+        # raised never sets it: that is how a backward cut short by an exception is told from a finished one.
+        self.autograd_finished = False
+
+    @property
+    def is_backward(self) -> bool:
+        return self.kind is PassKind.BACKWARD
+
+    @property
+    def step(self) -> int:
+        """The step of the trace the pass is at (-1 before its first module)."""
+        return self.progress.trace_step
+
+    def replayed_trace(self) -> Optional[PassTrace]:
+        """The trace the pass follows, or None while it records (fetching on demand)."""
+        return self.progress.trace if self.progress.replaying() else None
+
+    def mark_autograd_finished(self) -> None:
+        self.autograd_finished = True

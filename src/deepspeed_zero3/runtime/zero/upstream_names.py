@@ -1,0 +1,132 @@
+"""Upstream's module-level names of the two modules we serve, kept in one place.
+
+[Note: upstream's module names]
+Tests and client code import and patch module-level names of the two modules we replace
+(upstream's eager-fallback tests patch ``parameter_offload.print_rank_0``), so each served
+module has every module-level name upstream's has (``tests/unit/test_module_api.py`` reads
+the list from the installed upstream files). The rules:
+* a name upstream imports is imported here: the same object, including upstream's star
+  import of ``partition_parameters``, so the set follows the installed deepspeed;
+* a name upstream defines for its own bookkeeping is defined here and does the same thing,
+  or raises saying what to use instead;
+* debug lines go through the served module's name at call time, so a patch takes effect.
+Both served modules re-export this module; their own classes and functions come after it.
+"""
+
+# ---------------------------------------------------------------- names upstream imports
+import collections  # noqa: F401
+import logging  # noqa: F401
+import sys  # noqa: F401
+import threading  # noqa: F401
+from collections import OrderedDict, UserDict  # noqa: F401
+from dataclasses import dataclass  # noqa: F401
+from enum import Enum
+from typing import Deque, Dict, Set  # noqa: F401
+
+import torch  # noqa: F401
+from torch.nn import Module, Parameter
+
+import deepspeed.runtime.compiler as compiler  # noqa: F401
+from deepspeed import comm as dist
+from deepspeed import utils  # noqa: F401
+from deepspeed.accelerator import get_accelerator  # noqa: F401
+from deepspeed.runtime.compiler import is_compiling  # noqa: F401
+from deepspeed.runtime.swap_tensor.partitioned_param_swapper import PartitionedParamStatus  # noqa: F401
+from deepspeed.runtime.utils import see_memory_usage  # noqa: F401
+from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum  # noqa: F401
+from deepspeed.runtime.zero.partition_parameters import *  # noqa: F401,F403
+from deepspeed.runtime.zero.partition_parameters import _init_external_params  # noqa: F401
+from deepspeed.runtime.zero.partitioned_param_profiler import PartitionedParameterProfiler  # noqa: F401
+from deepspeed.runtime.zero.utils import apply_to_tensors_only, is_zero_param  # noqa: F401
+from deepspeed.utils import set_z3_leaf_module, z3_leaf_module  # noqa: F401
+from deepspeed.utils.debug import debug_param2name_id_shape  # noqa: F401
+from deepspeed.utils.logging import logger
+
+try:  # deepspeed >= 0.19.5, whose parameter_offload imports it
+    from deepspeed.utils.pin_memory_tracker import pinned_memory_summary  # noqa: F401
+except ImportError:
+    pass
+
+from deepspeed_zero3.runtime.zero.module_params import named_fetch_params
+from deepspeed_zero3.runtime.zero.ordered_dict import ZeROOrderedDict, inject_zero_ordered_dicts
+
+# ---------------------------------------------------------------- partitioned_param_coordinator's own
+
+# Upstream's switch for its PartitionedParameterProfiler (event timings). Ours has no such profiler.
+ENABLE_PROFILER = False
+PROFILER_NOT_SUPPORTED = (
+    "partitioned_param_coordinator.ENABLE_PROFILER=True asks for upstream's PartitionedParameterProfiler, which "
+    "deepspeed-zero3 does not have; read the per-pass counters with deepspeed_zero3.get_zero3_stats(engine) or "
+    "log them every N steps with DEEPSPEED_ZERO3_STATS_EVERY=N, or set DEEPSPEED_ZERO3=0 to run upstream's runtime")
+
+
+def coordinator_debug_rank0(message: str) -> None:
+    """Upstream's coordinator's own ``debug_rank0`` (served there under that name). Its parameter_offload has
+    partition_parameters' from the star import, the same body with the argument named ``msg``."""
+    if dist.get_rank() == 0:
+        logger.debug(message)
+
+
+def get_all_parameters(sub_module: Module, recurse: bool = False):
+    """``(name, parameter)`` pairs one fetch of ``sub_module`` covers: its own, then its external ones."""
+    return named_fetch_params(sub_module, recurse)
+
+
+class ZeRoTraceMode(Enum):
+    """Upstream's trace states. Ours keeps a trace per pass (trace.py); a coordinator answers
+    ``is_record_trace()``, ``is_complete_trace()`` and ``is_invalid_trace()`` for the pass running."""
+    RECORD = 1
+    COMPLETE = 2
+    INVALID = 3
+
+
+def update_recompute_parameters(sub_module: Module, param: Parameter) -> None:
+    """Upstream ties a frozen parameter gathered while a checkpoint recomputes to the backward module
+    running, for its release. Ours has no such tie to update (see the error)."""
+    raise NotImplementedError(
+        f"update_recompute_parameters({type(sub_module).__name__} ds_id={getattr(sub_module, 'ds_id', None)}, "
+        f"param ds_id={getattr(param, 'ds_id', None)}) is upstream's bookkeeping for parameters gathered while a "
+        f"checkpoint recomputes, which deepspeed-zero3 does not keep: release_sub_module() decides when a "
+        f"parameter fetched in a backward pass is released, and release_backward_leftovers() releases what is "
+        f"still gathered when the backward ends. Use PartitionedParameterCoordinator.fetch_sub_module() and "
+        f"release_sub_module(), or set DEEPSPEED_ZERO3=0 to run upstream's runtime.")
+
+
+# ---------------------------------------------------------------- parameter_offload's own
+
+
+def _apply_forward_and_backward_to_tensors_only(module, forward_function, backward_function, outputs):
+    """Call ``forward_function`` on each tensor of ``outputs`` (tuples searched recursively) and register
+    ``backward_function`` as the gradient hook of those that require grad; ``outputs`` is returned as is.
+
+    Upstream's output helper, for callers of its name: our own output wrapping is ``HookRouter`` in ``hooks.py``.
+    Like upstream's, it looks into plain tuples only and at exact ``torch.Tensor`` objects.
+    """
+    if type(outputs) is tuple:
+        return tuple(
+            _apply_forward_and_backward_to_tensors_only(module, forward_function, backward_function, item)
+            for item in outputs)
+    if type(outputs) is torch.Tensor:
+        forward_function(outputs)
+        if outputs.requires_grad:
+            outputs.register_hook(backward_function)
+    return outputs
+
+
+def _inject_parameters(module, cls):
+    """Give every module under ``module`` a ``_parameters`` container of class ``cls``, keeping the old one as
+    ``_original_parameters`` (upstream's name).
+
+    For ``ZeROOrderedDict`` this is ``inject_zero_ordered_dicts``: idempotent, and the container kept is the
+    one from before the first wrap, so un-injection restores the module's own. Any other class is built with
+    no arguments and filled in order, as upstream does.
+    """
+    if cls is ZeROOrderedDict:
+        inject_zero_ordered_dicts(module)
+        return
+    for submodule in module.modules():
+        container = cls()
+        for key, param in submodule._parameters.items():
+            container[key] = param
+        submodule._original_parameters = submodule._parameters
+        submodule._parameters = container
