@@ -3,7 +3,7 @@
 # then this package with `pip install .` (the activation .pth needs a real install, not -e).
 
 PYTHON ?= python3
-# Extra pip arguments for torch. This workplace's package mirror serves the CPU build of 2.13.0; from PyPI a
+# Extra pip arguments for torch. The package mirror CI uses serves the CPU build of 2.13.0; from PyPI a
 # Linux machine gets the multi-GB CUDA build, so on a CPU-only machine elsewhere pass
 # TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu".
 TORCH_PIP_ARGS ?=

@@ -1,23 +1,17 @@
 """CPU shims for two helpers of upstream's test suite, applied by ``make compat`` to its scratch copy only.
 
 [Note: CPU shims for upstream's test helpers]
-Upstream's tests are written for GPUs, and two of their helpers fail on DeepSpeed's CPU accelerator before
-the test reaches DeepSpeed, under either runtime, so the tests built on them measure nothing here:
-
-* the DDP baselines (``test_zero_user_backward.py``) are built with ``device_ids=[rank],
-  output_device=rank``, where ``rank`` is ``current_device()``: on CPU the string ``LOCAL_RANK``, which
-  torch's DDP refuses for a CPU module ("device_ids and output_device arguments only work with
-  single-device/multiple-device GPU modules or CPU modules");
-* ``unit.common.reduce_boolean_flags`` (behind ``allclose_on_all_ranks``) makes its tensors on
-  ``current_device()``, ``'0'`` on CPU ("Invalid device string: '0'"), and all-gathers a 0-d tensor into a
-  world-size buffer, which gloo refuses.
-
-``install`` is called from a line appended to the copied ``unit/common.py`` (every test process, the
-spawned ranks included, imports it). On the CPU accelerator it makes DDP leave ``device_ids`` and
-``output_device`` unset for a module whose parameters are on the CPU, as torch asks of CPU modules, and
-replaces ``reduce_boolean_flags`` with one that uses the device name and a one-element tensor. No test body
-or assertion is changed, and the shims act the same under both runtimes; a run with them says so in its row
-of the table. On a GPU accelerator ``install`` does nothing.
+Two helpers of upstream's GPU-minded tests fail on DeepSpeed's CPU accelerator before the test reaches
+DeepSpeed, under either runtime, so the tests built on them would measure nothing here:
+* the DDP baselines (``test_zero_user_backward.py``) pass ``device_ids=[rank]``, where ``rank`` is
+  ``current_device()``, the string ``LOCAL_RANK`` on CPU, which torch's DDP refuses for a CPU module;
+* ``unit.common.reduce_boolean_flags`` makes its tensors on device ``'0'`` ("Invalid device string")
+  and all-gathers a 0-d tensor into a world-size buffer, which gloo refuses.
+``install`` runs from a line appended to the copied ``unit/common.py`` (every test process imports it).
+On the CPU accelerator it leaves DDP's ``device_ids``/``output_device`` unset for a CPU module, as torch
+asks, and replaces ``reduce_boolean_flags`` with one that uses the device name and a one-element tensor.
+No test body or assertion changes, both runtimes get the same shims, and a row run with them says so.
+On a GPU accelerator ``install`` does nothing.
 """
 
 from pathlib import Path

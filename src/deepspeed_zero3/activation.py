@@ -54,10 +54,8 @@ def kill_switch_state():
 
 def installed_deepspeed_version():
     """Version of the installed ``deepspeed`` distribution, read from its metadata (no import)."""
-    try:
-        from importlib.metadata import PackageNotFoundError, version
-    except ImportError:  # pragma: no cover - python < 3.8
-        return None
+    from importlib.metadata import PackageNotFoundError, version
+
     try:
         return version("deepspeed")
     except PackageNotFoundError:

@@ -266,7 +266,7 @@ def test_one_rank_forward_between_a_forward_and_its_backward(make_model):
     expected_losses, expected_params, _ = run(solo=False)
     assert solo_gathers == 0
     assert losses == expected_losses
-    assert all(torch.equal(a, b) for a, b in zip(params, expected_params))
+    assert all(torch.equal(a, b) for a, b in zip(params, expected_params, strict=True))
 
 
 def test_grad_forward_on_one_rank_under_gathered_parameters_keeps_the_ranks_in_step():

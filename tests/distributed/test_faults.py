@@ -30,7 +30,7 @@ def final_params(engine):
 def assert_matches(engine, losses, expected_losses, expected_params) -> None:
     """Bitwise the run that skipped the faulted step: every loss, then every final parameter."""
     assert losses == expected_losses
-    assert all(torch.equal(a, b) for a, b in zip(final_params(engine), expected_params))
+    assert all(torch.equal(a, b) for a, b in zip(final_params(engine), expected_params, strict=True))
 
 
 def assert_last_pass_aborted(engine, kind: str) -> None:

@@ -45,7 +45,7 @@ def eval_forward(engine, step):
 
 
 def assert_steady(records, expected, recorded):
-    for p, record in zip(records, recorded):
+    for p, record in zip(records, recorded, strict=True):
         numel, calls, peak = expected[p["kind"]]
         assert p["demand_numel"] == 0, p
         assert p["allgather_numel"] == p["prefetch_numel"] == numel, p

@@ -148,10 +148,10 @@ def test_zenflow_parameters_gathered_in_storage_layout_compute_transposed():
         offload.release_backward_leftovers()
         assert all(p.ds_status == ZeroParamStatus.NOT_AVAILABLE for p in model.parameters())
         assert not offload.param_coordinator.param_layout.flipped
-    for (name, ref), param in zip(reference.named_parameters(), model.parameters()):
+    for (name, ref), param in zip(reference.named_parameters(), model.parameters(), strict=True):
         assert torch.equal(param.grad, ref.grad), name
     with deepspeed.zero.GatheredParameters(list(model.parameters())):
         # Outside modules the gathered parameters are in storage layout, as ZenFlow's optimizer reads them.
-        for ref, param in zip(reference.parameters(), model.parameters()):
+        for ref, param in zip(reference.parameters(), model.parameters(), strict=True):
             assert torch.equal(param.data, ref.data.t() if ref.dim() != 1 else ref.data)
     offload.destroy()

@@ -67,7 +67,7 @@ def test_late_attached_submodule_runs_as_plain_pytorch(caplog):
     assert "not sharded), and the engine's optimizer does not train it" in caplog.text
     assert caplog.text.count("was added after deepspeed.initialize") == 2  # weight and bias, once each
     assert losses == ref_losses
-    assert all(torch.equal(a, b) for a, b in zip(body_params(engine), ref_params))
+    assert all(torch.equal(a, b) for a, b in zip(body_params(engine), ref_params, strict=True))
     # As in PyTorch for a module added after its optimizer: whole on every rank and never stepped.
     assert torch.equal(engine.module.tail.weight, weight) and not hasattr(engine.module.tail.weight, "ds_id")
     assert deepspeed_zero3.get_zero3_stats(engine)["live_numel"] == 0

@@ -63,7 +63,7 @@ def test_frozen_submodules_in_eval_mode():
     engine = training_engine(model, zero3_config(bucket=20_000, reuse=0))
     before = [p.ds_tensor.clone() for p in model.blocks[0].parameters()]
     losses = run(engine, 4, rank, lambda e: [b.eval() for b in e.module.blocks[:4]])
-    assert all(torch.equal(a, p.ds_tensor) for a, p in zip(before, model.blocks[0].parameters()))
+    assert all(torch.equal(a, p.ds_tensor) for a, p in zip(before, model.blocks[0].parameters(), strict=True))
     assert losses[-1] == losses[-1]
     last = deepspeed_zero3.get_zero3_stats(engine)["passes"][-2:]
     assert [p["demand_numel"] for p in last] == [0, 0]

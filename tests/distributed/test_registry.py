@@ -183,7 +183,7 @@ def test_no_double_work_with_two_engines():
     for step in range(3):
         train_step(engine, batch(step, rank()))
     double_passes = deepspeed_zero3.get_zero3_stats(engine)["passes"][-2:]
-    for one, two in zip(single_passes, double_passes):
+    for one, two in zip(single_passes, double_passes, strict=True):
         for key in ("allgather_calls", "allgather_numel", "demand_numel", "peak_live_numel"):
             assert one[key] == two[key], key
     other.destroy()

@@ -31,7 +31,7 @@ def test_release_leaves_what_partition_leaves(hpz):
     kwargs = {"config_dict_or_path": {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {
         "stage": 3, "zero_hpz_partition_size": torch.distributed.get_world_size()}}} if hpz else {}
     ours, theirs = twin_params(**kwargs)
-    for mine, reference in zip(ours, theirs):
+    for mine, reference in zip(ours, theirs, strict=True):
         mine.all_gather()
         reference.all_gather()
         assert mine.ds_status is ZeroParamStatus.AVAILABLE and torch.equal(mine.data, reference.data)

@@ -1,6 +1,6 @@
 """Parity scenario: NVMe parameter offload (ZeRO-Infinity) on the per-pass prefetchers.
 
-Upstream's working set-up on the CPU accelerator (shared/brief/upstream-baseline.md): bf16, partitions of at
+Upstream's working set-up on the CPU accelerator: bf16, partitions of at
 least 1 MiB so that they really go to NVMe, ``max_in_cpu: 0``. The swap files live under a per-run temporary
 folder that the scenario removes.
 """

@@ -55,12 +55,17 @@ def fallback(monkeypatch):
 def test_read_in_forward_gathers_for_the_fallback(fallback, monkeypatch):
     monkeypatch.setattr(z3_eager_fallback, "is_dynamo_guard_evaluation", lambda: False)
     module, param = partitioned_module()
-    depth = len(FWD_MODULE_STACK)
-    assert module._parameters["weight"] is param
+    running = nn.Module()  # the module whose forward reads the parameter
+    FWD_MODULE_STACK.append(running)
+    try:
+        assert module._parameters["weight"] is param
+    finally:
+        FWD_MODULE_STACK.pop()
     assert param.gathers == 1 and param.ds_status == ZeroParamStatus.AVAILABLE
     assert fallback.stats()["last_gathered_param_ids"] == [5]
-    # The fallback owns the gather: nothing is registered as an external parameter of a running module.
-    assert len(FWD_MODULE_STACK) == depth and not getattr(module, "_external_params", {})
+    # The fallback owns the gather: the parameter is not registered as an external parameter of the running
+    # module (without a fallback it would be: test_read_without_fallback_registers_it_on_the_running_module).
+    assert not getattr(running, "_external_params", {})
     # A second read of the gathered parameter only marks it used by this forward.
     assert module._parameters["weight"] is param
     assert param.gathers == 1 and fallback.stats()["current_forward_param_ids"] == [5]
@@ -86,4 +91,16 @@ def test_outside_forward_nothing_is_gathered(fallback):
     module, param = partitioned_module()
     module._parameters._in_forward = False
     assert module._parameters["weight"] is param
-    assert param.gathers == 0 and fallback.stats()["last_gathered_param_ids"] == []
+    assert param.gathers == 0 and param.ds_status == ZeroParamStatus.NOT_AVAILABLE
+    assert fallback.stats()["last_gathered_param_ids"] == []
+
+
+def test_read_without_fallback_registers_it_on_the_running_module():
+    module, param = partitioned_module()
+    running = nn.Module()
+    FWD_MODULE_STACK.append(running)
+    try:
+        assert module._parameters["weight"] is param
+    finally:
+        FWD_MODULE_STACK.pop()
+    assert param.gathers == 1 and list(running._external_params.values()) == [param]

@@ -1,6 +1,6 @@
 """An outside instrument that measures upstream's runtime and ours the same way.
 
-It is how the baseline was measured (shared/brief/upstream-baseline.md):
+It is how the upstream figures in docs/benchmarks.md were measured:
 
 * all-gather traffic: ``deepspeed.comm.allgather_fn`` and
   ``deepspeed.comm.all_gather_into_tensor`` are wrapped, and the output numel
@@ -12,11 +12,10 @@ It is how the baseline was measured (shared/brief/upstream-baseline.md):
 
 [Note: the meter's parameter list]
 Which parameters to look at is read from the model at installation and again
-at every ``phase()`` and ``reset()``, not at every fetch: walking
-``model.parameters()`` of 2,000 modules after each of their fetches took 4.5 ms
-a fetch, 18 s of a ``tiny_modules`` step, in both runtimes alike, so the step
-times that scenario reported were the meter's. A module attached in the middle
-of a phase is counted from the next one.
+at every ``phase()`` and ``reset()``, not at every fetch: walking the parameters
+of a 2,000-module model after each fetch cost more than the steps it measured,
+in both runtimes alike. A module attached in the middle of a phase is counted
+from the next one.
 
 The phase (forward, backward, step, eval_forward, ...) is set by the driver.
 Wrapping ``fetch_sub_module`` of whichever coordinator class is loaded works for

@@ -1,8 +1,7 @@
 """Small deterministic models used by tests, the parity suite, the demo and the benchmark.
 
-Model A and Model B are the models of the upstream baseline measurements
-(shared/brief/upstream-baseline.md); their sizes are part of the expected
-numbers in the tests.
+Model A and Model B are the models of the upstream measurements in
+docs/benchmarks.md; their sizes are part of the expected numbers in the tests.
 """
 
 import torch

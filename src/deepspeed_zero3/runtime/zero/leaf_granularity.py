@@ -1,27 +1,18 @@
 """``stage3_module_granularity_threshold``: which modules become z3 leaves, and how leaves are fetched and released.
 
 [Note: module granularity]
-Upstream 0.19.8's meaning, computed the same way so that the same modules become leaves:
-
-* A module's granularity is the numel of its subtree (``ds_numel``, each module's own parameters, a
-  parameter shared by two children counted in both) divided, integer division, by its number of
-  "layers": its childless modules that hold parameters, the non-container modules with children
-  between them and it, and itself.
-* It is ``sys.maxsize`` (never a leaf) for a module without parameters, for a childless module (hooks
-  already treat it as one unit), for a module whose class name is one of torch's containers
-  (``ModuleList``, ``Sequential``, ...: a container may never run ``forward``, so its children need their
-  own hooks), and for a subtree over ``Z3_MAX_LEAF_SIZE`` numel (one huge leaf would hold it all gathered).
-  A container passes its children's layers up without adding one of its own.
-* Leaves are chosen top-down: the first module on a path whose granularity is at most the threshold
-  becomes a leaf and the walk does not enter it. The root may qualify (then one fetch gathers the whole
-  model); upstream runs that but its results are not bitwise reproducible, and neither are ours guaranteed
-  to match upstream's there.
-* When no module qualifies, the threshold is named with the smallest granularity in the model (the first
-  module in post-order that has it) and no leaf is set.
-
-The leaves are set before the module tree is numbered, as upstream does (it sets them in
-``DeepSpeedZeRoOffload.__init__`` before registering hooks), so ``ds_id``s equal upstream's: numbering
-stops at z3 leaves.
+Upstream's meaning, computed the same way so that the same modules become leaves:
+* A module's granularity is its subtree's numel (``ds_numel``; a parameter shared by two children
+  counts in both) divided by its "layers": its childless modules with parameters, the non-container
+  modules between them and it, and itself. A container passes its children's layers up.
+* It is ``sys.maxsize`` (never a leaf) for a module without parameters, a childless module, a module
+  whose class name is one of torch's containers (a container may never run ``forward``), and a
+  subtree over ``Z3_MAX_LEAF_SIZE`` numel.
+* Leaves are chosen top-down: the first module on a path at or under the threshold becomes a leaf
+  and its subtree is not entered. The root may qualify (one fetch then gathers the model; upstream's
+  results there are not bitwise reproducible, so ours are not compared).
+* With no module qualifying, the warning names the smallest granularity and no leaf is set.
+Leaves are set before the tree is numbered, as upstream does, so ``ds_id``s equal upstream's.
 
 [Note: fast sharding for leaf modules]
 With a threshold set (any value > 0, whether or not a leaf was chosen), upstream fetches and releases

@@ -1,31 +1,17 @@
 """Swapping NVMe-offloaded partitions into memory ahead of their gather.
 
 [Note: NVMe swap-in ahead]
-With ``offload_param.device: nvme`` a parameter's partition lives in a file;
-upstream's swapper reads it into one of ``offload_param.buffer_count`` pinned
-buffers, and the gather copies it from there. A partition still on NVMe when
-its gather is issued is read synchronously inside ``all_gather_coalesced``
-(a demand swap-in), and that read asserts a free buffer. Hence three rules:
-
-* The gather walk stops at a partition that is not in memory yet
-  (``blocks_gather``): a prefetch gather never does a synchronous read and
-  never takes a buffer the swap-in walk did not plan for.
-* After each fetch, the swap-in walk reads ahead, asynchronously, the next
-  partitions of the same pass's trace from where the gather walk stopped,
-  within the free buffers and one prefetch bucket of numel. It follows the
-  pass's own trace, so it never reads backward-only partitions in a forward.
-* Swap-ins belong to a pass. A partition read ahead and not gathered by the
-  end of the pass (the pass left its trace) gives its buffer back then, so no
-  buffer outlives its pass or its engine, and no read taken before an
-  optimizer step is used after it (the step writes new partitions to NVMe).
-  When a demand fetch finds too few free buffers, the stale reads ahead are
-  given back first, then gathered parameters that are not in use; values do
-  not change, at worst they are gathered again: never a deadlock, never the
-  swapper's assertion.
-
-Upstream, by comparison, bounds its read-ahead by twice the numel of gathers
-in flight, which on a synchronous device (CPU, every gather already complete)
-is zero: one partition ahead at most.
+With ``offload_param.device: nvme`` a partition lives in a file; upstream's swapper reads it
+into one of ``offload_param.buffer_count`` buffers before the gather copies it. A gather of a
+partition still on NVMe reads it synchronously and asserts a free buffer. The rules:
+* the gather walk stops at a partition not in memory yet (``blocks_gather``), so a prefetch
+  never reads synchronously nor takes a buffer nobody planned for;
+* after each fetch the next partitions of the same pass's trace are read ahead, asynchronously,
+  within the free buffers and one prefetch bucket of numel;
+* reads belong to a pass: one not gathered by its end gives its buffer back, so no buffer
+  outlives its pass and no read taken before an optimizer step is used after it. A demand fetch
+  that finds too few free buffers gives back stale reads first, then gathered parameters not in
+  use: at worst a second gather, never a deadlock nor the swapper's assertion.
 """
 
 from typing import Callable, Dict, Iterable, List, Sequence, Tuple

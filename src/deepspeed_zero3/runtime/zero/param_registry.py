@@ -1,25 +1,17 @@
 """State that belongs to a model's sharded parameters, shared by every engine over that model.
 
 [Note: sharing one module tree]
-Lightning's ``trainer.validate(model)`` then ``trainer.fit(model)`` builds two
-engines over the same module, each time around a new wrapper. Upstream gives
-each engine its own hooks, coordinator and in-flight registry over the same
-parameters, and numbers the modules again, so the first engine's hooks and
-trace then disagree with the parameters' state (``status: INFLIGHT``, or
-``pop from an empty deque``). Here the hooks, the coordinator (traces,
-prefetchers, in-flight handles, counters) and the module numbering live in one
-``ParamStateRegistry``, reachable from every module of the tree. A new engine
-finds it from any module it wraps and joins it: modules it already manages keep
-their ``ds_id`` and hooks, new ones (the wrapper) get fresh ids and hooks, and a
-new root gets pass-boundary hooks. Engines are owners held by weak reference;
-``destroy()`` or garbage collection drops one, and the last one gone removes
-every hook.
-
-Rules for settings that may differ between owners: the prefetch settings
-(bucket, live-parameter cap, reuse distance) of the most recently joined live
-owner apply. Settings fixed when the parameters were converted (data-parallel
-group, dtype, persistence thresholds) must match, or ``initialize`` fails naming
-both values.
+Lightning's ``trainer.validate(model)`` then ``trainer.fit(model)`` builds two engines over one
+module, each around a new wrapper. Upstream gives each its own hooks, coordinator and in-flight
+registry over the same parameters and numbers the modules again, so the first engine's state
+disagrees with the parameters (``status: INFLIGHT``, ``pop from an empty deque``).
+* Rule: hooks, coordinator and numbering live in one ``ParamStateRegistry``, reachable from every
+  module of the tree. A new engine joins it: managed modules keep their ``ds_id`` and hooks, new
+  ones (the wrapper) get fresh ids and hooks, a new root gets pass-boundary hooks.
+* Owners are held weakly; ``destroy()`` or collection drops one, and the last removes every hook.
+* The prefetch settings of the most recently joined live owner apply. Settings fixed when the
+  parameters were converted (group, dtype, persistence thresholds) must match, or ``initialize``
+  fails naming both values.
 """
 
 import weakref

@@ -40,6 +40,7 @@ from deepspeed_zero3.runtime.zero.gather import Gatherer, InflightParamRegistry,
 from deepspeed_zero3.runtime.zero.keeping import BackwardKeeping
 from deepspeed_zero3.runtime.zero.leaf_granularity import FastLeafSharding
 from deepspeed_zero3.runtime.zero.module_params import fetch_params, iter_params
+from deepspeed_zero3.runtime.zero.nograd_keeping import NoGradKeeping
 from deepspeed_zero3.runtime.zero.nvme_swap import (NvmeSwapIns, blocks_gather, on_nvme,
                                                     persistent_partitions_in_memory)
 from deepspeed_zero3.runtime.zero.passes import PassKind
@@ -103,6 +104,7 @@ class PartitionedParameterCoordinator:
         self.traces = TraceCache(trace_cache_size)
         self.prediction = PassPrediction()
         self.keeping = BackwardKeeping()
+        self.nograd_keeping = NoGradKeeping()
         self.stats = ZeroStats()
         # The pass running now, None between passes ([Note: the running pass]).
         self.running: Optional[RunningPass] = None
@@ -110,7 +112,7 @@ class PartitionedParameterCoordinator:
         self.live: Dict[Parameter, None] = {}
         # Of those, the ones no module uses now that stay gathered on purpose: for a later use in the running
         # pass (the reuse distance), or past its end for the next pass (the backward's first parameters,
-        # [Note: budgeted keeping]).
+        # [Note: budgeted keeping]; the next eval forward's, [Note: keeping across no-grad passes]).
         self.kept: Dict[Parameter, None] = {}
         self.root_depth = 0
         self.stats_every = stats_every_from_env(os.environ)
@@ -146,6 +148,7 @@ class PartitionedParameterCoordinator:
             self.traces.clear()
             self.prediction.clear()
             self.keeping.clear()
+            self.nograd_keeping.clear()
 
     _invalidate_trace = invalidate_traces
 
@@ -170,7 +173,7 @@ class PartitionedParameterCoordinator:
 
     def begin_forward_pass(self) -> None:
         with self.lock:
-            self._end_open_pass()
+            self._end_open_pass(keep_carry=True)  # [Note: keeping across no-grad passes]
             kind = PassKind.FORWARD if torch.is_grad_enabled() else PassKind.EVAL_FORWARD
             self._begin_pass(kind, self.prediction.forward_guess(kind, self.traces))
 
@@ -179,13 +182,14 @@ class PartitionedParameterCoordinator:
             running = self.running
             if running is None or running.is_backward:
                 return
-            if not aborted and running.stats.allgather_calls == 0:
-                # [Note: silent passes] A forward that issued no all-gather found every parameter gathered
-                # (inside GatheredParameters over the model, or all persistent): the one way a forward may run
-                # on one rank alone. It leaves the runtime as it found it: no trace recorded or moved to the
-                # front, no order check, no count toward the next backward, nothing released (it gathered
-                # nothing, and what GatheredParameters holds is never released under it). Each of those would
-                # make this rank's next collectives differ from the other ranks'.
+            if not aborted and running.stats.allgather_calls == 0 and running.released == 0:
+                # [Note: silent passes] A forward that gathered nothing and released nothing found every
+                # parameter gathered and left it so: inside GatheredParameters over the model (whose parameters
+                # are never released under it), all persistent, or all kept from the last eval forward. The
+                # first is the one way a forward may run on one rank alone, so such a pass leaves the runtime
+                # as it found it: no trace recorded or moved to the front, no order check, no count toward the
+                # next backward, nothing released at its end. Each would make this rank's next collectives
+                # differ from the other ranks'.
                 self._end_pass(aborted=False, compare=False)
                 return
             trace = self._finish_trace(running, aborted)
@@ -195,6 +199,11 @@ class PartitionedParameterCoordinator:
                             if trace is not None else None)
                 keep = self.keeping.carried(self.kept, backward)
                 self.keeping.forward_ended(trace)
+                self.nograd_keeping.drop()
+            elif trace is not None:
+                keep = self.nograd_keeping.pass_ended(self.kept, trace, self.settings)
+            else:
+                self.nograd_keeping.drop()
             self._end_pass(aborted)
             self.release_all_ours(keep=keep)
             if not aborted and self.order_check.due(running.kind):
@@ -216,6 +225,7 @@ class PartitionedParameterCoordinator:
             if running is None or not running.is_backward:
                 return
             self.keeping.backward_ended(self._finish_trace(running, aborted))
+            self.nograd_keeping.drop()
             self._end_pass(aborted)
             self.release_all_ours(keep=())
             if not aborted and self.order_check.due(PassKind.BACKWARD):
@@ -225,8 +235,9 @@ class PartitionedParameterCoordinator:
                                                                                      or dist.get_rank() == 0):
                 logger.info(format_line(self.stats))
 
-    def _end_open_pass(self, abandoning: bool = False) -> None:
-        """Close a pass whose closing hook never came, and release everything gathered."""
+    def _end_open_pass(self, abandoning: bool = False, keep_carry: bool = False) -> None:
+        """Close a pass whose closing hook never came, and release everything gathered (``keep_carry``: except
+        what the last eval forward carried for the forward now beginning)."""
         running = self.running
         if running is not None and not running.is_backward:
             self.end_forward_pass(aborted=True)
@@ -240,7 +251,9 @@ class PartitionedParameterCoordinator:
                                "Stage 3 still holds that backward's partial gradients: call "
                                "deepspeed_zero3.abandon_step(engine) after catching the exception to drop them.")
             self.end_backward_pass(aborted=cut_short)
-        self.release_all_ours(keep=())
+        self.release_all_ours(keep=self.nograd_keeping.carry if keep_carry else ())
+        if not keep_carry:
+            self.nograd_keeping.drop()
 
     def _begin_pass(self, kind: PassKind, guess: Optional[PassTrace]) -> RunningPass:
         """[Note: the running pass]: the one place a pass's state is created."""
@@ -455,13 +468,16 @@ class PartitionedParameterCoordinator:
 
     def _stays_gathered(self, running: Optional[RunningPass], param: Parameter, step: int) -> bool:
         """Whether ``param``, released after ``step``, stays gathered: kept for the backward ([Note: budgeted
-        keeping]), or its next use in this pass is within the reuse distance."""
+        keeping]) or the next eval forward ([Note: keeping across no-grad passes]), or its next use in this pass is
+        within the reuse distance."""
         trace = running.replayed_trace() if running is not None else None
         if trace is None:
             return False
         if running.kind is PassKind.FORWARD and self.keeping.keeps(
                 param, step, trace, self.keeping.backward_for(trace, self.prediction.expected_backward), self.settings):
             return True  # at reuse 0 too: what the backward's first window gathers again
+        if running.kind is PassKind.EVAL_FORWARD and self.nograd_keeping.keeps(param, step, trace, self.settings):
+            return True
         limit = self.settings.max_reuse_numel
         if limit == 0 or self.live_numel > self.settings.max_live_numel:
             return False
@@ -481,6 +497,8 @@ class PartitionedParameterCoordinator:
         self.inflight.pop(param, None)
         if param.ds_status == ZeroParamStatus.AVAILABLE and not param.ds_active_sub_modules:
             (partition or release_gathered)(param)  # [Note: releasing a gathered parameter]
+            if self.running is not None:
+                self.running.released += 1
         self._forget(param)
 
     def _forget(self, param: Parameter) -> None:

@@ -1,40 +1,18 @@
 """Checking that every rank runs the same modules in the same order.
 
 [Note: diverging ranks]
-ZeRO-3 gathers a module's parameters with a collective, so every rank must
-fetch the same modules in the same order. Data-dependent control flow that
-differs across ranks breaks that: when the differing modules have equally sized
-parameters the all-gathers pair up and silently mix the wrong shards; when they
-differ in size the collectives fail or wait for the process-group timeout.
-
-Two levels of checking, both collective, so every rank raises the same error:
-
-* Always (``PassOrderCheck``): the ranks exchange one fingerprint of the module
-  orders of every pass they ran since the last check (one all_gather of 3
-  integers and one device-to-host copy) at the end of every backward pass,
-  where ``engine.backward()`` stops anyway, and after every MAX_PENDING_PASSES
-  passes without a backward. Eval and generation forwards are therefore compared
-  in batches: a generated token costs no collective and no host sync of its own
-  (upstream has none there either); a divergence in a no-grad forward is
-  detected at the next backward, or at the latest MAX_PENDING_PASSES passes
-  after the last check (an inference-only engine, a generation loop). On a
-  mismatch the ranks exchange the full orders and raise, naming each rank's
-  pass, step and module. What ran before the check may have been gathered
-  wrongly: the outputs of the no-grad passes in the batch, and the gradients of
-  the step, which raises at the end of its backward, before its optimizer step,
-  so nothing wrong is applied (``deepspeed_zero3.abandon_step(engine)`` drops
-  them). Passes that no backward and no full batch follows (the last few of an
-  inference-only run) are not compared: a check at ``destroy()`` would be a
-  collective in a call that upstream keeps local, which one rank may make alone
-  (or the garbage collector on its own schedule), and would hang there.
-  Every rank must count the same passes for the batches to line up: silent
-  passes ([Note: silent passes] in the coordinator) and aborted ones are not
-  counted on any rank.
-* ``DEEPSPEED_ZERO3_CHECK_RANKS=1`` (``check_same_module_on_all_ranks``):
-  before every fetch, one all_gather of 2 integers. Ranks stop before any
-  mismatched all-gather is issued. It costs one small collective per module
-  fetch (and a device sync on GPUs), so it is a debug mode.
-
+Every fetch is a collective, so every rank must fetch the same modules in the same order. Where
+they do not, equal-sized all-gathers pair up and mix the wrong shards, unequal ones fail or hang.
+* Always (``PassOrderCheck``): the ranks compare one fingerprint of the module orders of the
+  passes run since the last check (one all_gather of 3 integers, one device-to-host copy) at the
+  end of every backward, where ``engine.backward()`` stops anyway, and after MAX_PENDING_PASSES
+  passes without one: no-grad forwards and generated tokens cost nothing of their own. On a
+  mismatch every rank raises, naming each rank's pass, step and module, before the optimizer
+  step. Passes no check follows (the tail of an inference-only run) are not compared: a check in
+  ``destroy()`` would be a collective one rank may reach alone. Silent and aborted passes are
+  counted on no rank, so the batches line up.
+* ``DEEPSPEED_ZERO3_CHECK_RANKS=1``: one all_gather of 2 integers before every fetch, so the
+  ranks stop before any mismatched all-gather: a debug mode.
 The tensors live on the accelerator's current device: NCCL has no CPU tensors.
 """
 

@@ -1,21 +1,14 @@
 """``deepspeed_zero3.abandon_step(engine)``: drop a failed step, so training goes on as if it never ran.
 
 [Note: a backward that raised]
-An exception inside backward (a custom autograd function, a NaN check in a
-hook) stops the autograd engine half way. Nothing of ours sees it happen; the
-coordinator learns it later, because the graph task that began the backward pass
-never ran the callback queued at its start (``PassProgress.autograd_finished``).
-The parameter side then recovers by itself at the next pass boundary: what was
-gathered is released and the partial order is not recorded as a trace.
-
-The gradient side is upstream's stage 3 optimizer, and it does not recover: the
-gradients that reached its reduce bucket stay there (with ``.grad`` aliasing the
-bucket), and the next backward fails upstream's duplicate-parameter assertion in
-``__reduce_and_partition_ipg_grads`` (measured with DEEPSPEED_ZERO3=0 as well).
-``abandon_step`` empties that bucket through stage 3's own ``clear_params()``
-(what its ``step()`` does), drops the module's ``.grad``, and restarts gradient
-accumulation, so the gradients of the window so far are discarded: a partially
-reduced backward cannot be subtracted from the accumulated partitions.
+An exception inside backward stops the autograd engine half way, unseen by our hooks. The
+coordinator learns it at the next pass boundary, because the graph task that began the backward
+never ran the callback queued at its start (``RunningPass.autograd_finished``): it releases what
+was gathered and records no trace of the partial order. Upstream's stage 3 optimizer does not
+recover: gradients that reached its reduce bucket stay there (``.grad`` aliasing the bucket), and
+its next backward fails a duplicate-parameter assertion (with DEEPSPEED_ZERO3=0 too).
+``abandon_step`` empties that bucket with stage 3's own ``clear_params()``, drops the module's
+``.grad`` and restarts gradient accumulation: a partially reduced backward cannot be subtracted.
 """
 
 from deepspeed.runtime.engine import DeepSpeedEngine

@@ -1,27 +1,15 @@
 """Releasing a gathered parameter: what upstream's ``param.partition()`` does to it, without its per-call cost.
 
 [Note: releasing a gathered parameter]
-A gathered parameter whose partition already exists (every parameter after
-``zero.Init``) is released by ``param.partition()`` in upstream, which for that
-case frees ``param.data`` (upstream's ``free_param``) and marks it
-NOT_AVAILABLE, and nothing else. On the way it formats six debug messages
-that are never printed (four ``print_rank_0(..., force=False)``, two
-``see_memory_usage(..., force=False)``), one of which walks the parameter's
-name, id, shape and device: on the 2,000-tiny-module benchmark that
-formatting is a large share of a release. ``release`` takes the direct path only where upstream's own
-``partition()`` would take exactly that branch (0.19.4 through 0.19.8 alike):
-
-* the parameter is AVAILABLE and has its partition (``ds_tensor``);
-* no secondary (hpZ) partition is still to be made: without a secondary
-  process group ``_partition_param_sec`` is not called, and with one it returns
-  at once for a parameter that has its secondary partition;
-* the partition does not live on NVMe (upstream then gives its swap buffer back);
-* ``param.partition`` is still upstream's own function: a test or a library
-  that replaced it on a parameter (upstream's eager-fallback tests do) gets its
-  replacement called, as upstream's coordinator would.
-
-Everything else calls ``param.partition()``. ``free_param`` is looked up on
-upstream's module at each call, so a patched one applies too.
+For a gathered parameter that has its partition, upstream's ``param.partition()`` only frees
+``param.data`` (``free_param``) and marks it NOT_AVAILABLE, but formats six debug messages on the
+way that are never printed, one of which walks the parameter's name and shape: a large share of
+a release on many small modules. ``release`` frees directly only where ``partition()`` would take
+exactly that branch (0.19.4 through 0.19.8 alike): the parameter is AVAILABLE with its partition;
+no secondary (hpZ) partition is still to be made; the partition is not on NVMe (upstream then
+returns its swap buffer); and ``param.partition`` is upstream's own function (a replacement, as
+upstream's eager-fallback tests install, is called). Everything else calls ``param.partition()``.
+``free_param`` is looked up on upstream's module at each call, so a patched one applies too.
 """
 
 from torch.nn import Parameter

@@ -39,6 +39,8 @@ class RunningPass:
         self.fetched_from: Dict[int, Tuple[Parameter, ...]] = {}
         # Backward passes: modules fetched whose post-backward hook has not fired yet.
         self.active_backward: Dict[int, Module] = {}
+        # Parameters this pass released: with no all-gather either, the pass changed nothing ([Note: silent passes]).
+        self.released = 0
         # Backward passes: set when the autograd graph task that began the pass completed. A graph task that
         # raised never sets it: that is how a backward cut short by an exception is told from a finished one.
         self.autograd_finished = False

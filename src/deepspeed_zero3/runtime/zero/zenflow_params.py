@@ -1,23 +1,18 @@
 """ZenFlow's parameter layout on the ZeRO-3 fetch path (``zero_optimization.zenflow`` with stage 3).
 
 [Note: ZenFlow layout]
-ZenFlow's stage-3 optimizer transposes every parameter that is not 1-D before ZeRO partitions it
-(``p.data = p.data.t().contiguous()``), so partitions, ``ds_shape`` and the optimizer's column selection
-are in that *storage* layout. Modules compute in the original layout. Upstream's parameter side therefore
-transposes (``.t()``, a view) each fetched parameter whose ``ds_shape`` is not 1-D right after a module's
-fetch, in forward and in backward, persistent and external parameters included, a z3 leaf's whole
-subtree included, and transposes it back right before the module's release.
-
-Upstream toggles once per hook call. Where hook calls overlap, that flips a parameter twice: a module
-whose several outputs each fire its pre-backward hook, or a checkpointed module recomputed inside its own
-backward. Here a parameter is in compute layout exactly while a module that fetched it has not released
-it yet (``ds_active_sub_modules`` is not empty): flipped at the first fetch, back when the last holder
-releases it, and back at the end of every pass for what a missing hook left flipped. Where upstream's
-hook calls do not overlap (every module that runs once per pass, with one output), that is the same
-sequence of transpositions as upstream's.
-
-Only 1-D and 2-D layouts are defined (upstream's ``.t()`` fails on more dimensions, already in ZenFlow's
-optimizer), so a parameter with more dimensions is refused when the engine is built.
+ZenFlow's stage-3 optimizer transposes every parameter that is not 1-D before ZeRO partitions it,
+so partitions and ``ds_shape`` are in that storage layout while modules compute in the original
+one. Upstream's hooks transpose each fetched 2-D parameter after a module's fetch (forward and
+backward, persistent, external and z3-leaf-subtree parameters included) and back before its
+release, once per hook call, so overlapping calls flip a parameter twice (a module whose several
+outputs each fire its pre-backward hook; a checkpointed module recomputed in its own backward).
+Rule here: a parameter is in compute layout exactly while a module that fetched it has not
+released it (``ds_active_sub_modules`` not empty): flipped at the first fetch, back at the last
+release, and back at every pass end for what a missing hook left flipped. Where upstream's calls
+do not overlap, that is the same sequence of transpositions. Parameters with more than two
+dimensions have no defined layout (upstream's ``.t()`` fails) and are refused when the engine
+is built.
 """
 
 from typing import Dict, Iterable
