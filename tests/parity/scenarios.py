@@ -38,6 +38,10 @@ from deepspeed_zero3.testing.engines import (batch, inference_engine, mse_loss, 
                                              training_engine, zero3_config)
 from deepspeed_zero3.testing.models import LeafBranches, ReadsAhead, ResidualMLPBlock, TinyGPT, model_b
 from scenarios_firstpass import capped_default_reuse
+from scenarios_generation import (generate_default_keys, generate_half_cap, generate_then_load_checkpoint,
+                                  generate_then_modify_in_gathered_parameters, generate_then_offload_states,
+                                  generate_then_optimizer_step, generate_then_rebuild_engine,
+                                  generate_with_a_second_engine_stepping)
 from scenarios_nvme import nvme_param_offload
 from scenarios_compile import (compile_aot_eager_llama, compile_aot_eager_llama_default_buckets, compile_aot_eager_mlp,
                                compile_aot_eager_mlp_default_buckets, compile_eager_llama,
@@ -449,6 +453,14 @@ SCENARIOS = {
         checkpoint_round_trip,
         inference_only,
         capped_default_reuse,
+        generate_default_keys,
+        generate_half_cap,
+        generate_then_optimizer_step,
+        generate_then_load_checkpoint,
+        generate_then_modify_in_gathered_parameters,
+        generate_then_offload_states,
+        generate_then_rebuild_engine,
+        generate_with_a_second_engine_stepping,
         nvme_param_offload,
         compile_eager_mlp,
         compile_eager_mlp_default_buckets,
