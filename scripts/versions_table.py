@@ -10,9 +10,21 @@ hides one. Standard library only: it runs with any python.
 """
 
 import datetime
+import importlib.util
 import re
 import sys
 from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _tables():
+    # Loaded from its file: the python running this script need not have the package installed.
+    path = REPO / "src" / "deepspeed_zero3" / "bench" / "tables.py"
+    spec = importlib.util.spec_from_file_location("tables", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 SUITES = ("unit", "distributed", "parity")
 OUTCOMES = ("passed", "failed", "error", "skipped", "xfailed", "xpassed")
@@ -92,13 +104,9 @@ def render(results_dir: Path, versions, today: str) -> str:
         "",
         f"Last written: {today}.",
         "",
-        "| deepspeed | " + " | ".join(SUITES) + " |",
-        "|---|" + "---|" * len(SUITES),
     ]
-    for version in versions:
-        folder = results_dir / version
-        row = [cell(read_suite(folder, suite)) for suite in SUITES]
-        lines.append(f"| {version} | " + " | ".join(row) + " |")
+    rows = [[version, *(cell(read_suite(results_dir / version, suite)) for suite in SUITES)] for version in versions]
+    lines.append(_tables().markdown_table(("deepspeed", *SUITES), rows, align="l" * (1 + len(SUITES))))
     return "\n".join(lines) + "\n"
 
 
@@ -107,8 +115,7 @@ def main(argv):
         sys.stderr.write(__doc__)
         return 2
     results_dir, output = Path(argv[1]), Path(argv[2])
-    repo = Path(__file__).resolve().parent.parent
-    versions = supported_versions(repo)
+    versions = supported_versions(REPO)
     extra = sorted(p.name for p in results_dir.iterdir() if p.is_dir() and p.name not in versions) \
         if results_dir.is_dir() else []
     if extra:

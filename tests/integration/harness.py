@@ -2,12 +2,11 @@
 
 import json
 import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
-from deepspeed_zero3.testing.ports import LaunchPort, memory_hint
+from deepspeed_zero3.testing.launching import run
+from deepspeed_zero3.testing.ports import memory_hint
 
 HERE = Path(__file__).resolve().parent
 # ZERO3_INTEGRATION_AGAINST_UPSTREAM=1 runs the flows meant for our runtime with the kill switch
@@ -47,24 +46,20 @@ class Launch:
 def launch(script: str, flows, out: Path, upstream: bool) -> Launch:
     """Run ``script --flows ...`` on 2 ranks; upstream=True sets the kill switch DEEPSPEED_ZERO3=0."""
     out.mkdir(parents=True, exist_ok=True)
+    # Not runtime_env(): its LOCAL_SIZE would switch on DeepSpeed's CPU shm allreduce, which these torchrun
+    # launches have never used, and a GPU machine must still run them on CPU ranks unless told otherwise.
     env = dict(os.environ)
     env.setdefault("DS_ACCELERATOR", "cpu")
     env["DEEPSPEED_ZERO3"] = "0" if upstream else "1"
     env["PYTHONUNBUFFERED"] = "1"
     env.pop("RANK", None), env.pop("WORLD_SIZE", None), env.pop("LOCAL_RANK", None)
     log = out / "launch.log"
-    with LaunchPort() as port, open(log, "w") as handle:
-        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                   str(port.port), str(HERE / script), "--out", str(out), "--flows", ",".join(flows)]
-        process = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, env=env, cwd=str(HERE),
-                                   start_new_session=True)
-        try:
-            returncode = process.wait(timeout=LAUNCH_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-            raise AssertionError(f"{script} {flows} ran past {LAUNCH_TIMEOUT_S}s; log tail:\n"
-                                 f"{log.read_text(errors='replace')[-6000:]}")
-    return Launch(out, returncode, log)
+    launched = run(lambda port: [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                                 "--master_port", port, HERE / script, "--out", out, "--flows", ",".join(flows)],
+                   env, LAUNCH_TIMEOUT_S, log=log, cwd=HERE)
+    if launched.timed_out:
+        raise AssertionError(f"{script} {flows} ran past {LAUNCH_TIMEOUT_S}s; log tail:\n"
+                             f"{log.read_text(errors='replace')[-6000:]}")
+    return Launch(out, launched.returncode, log)
 
 

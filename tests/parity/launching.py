@@ -4,36 +4,21 @@ Shared by test_parity.py and test_checkpoint_cross.py. The runtime is chosen by 
 DEEPSPEED_ZERO3, which is read at interpreter start: one launch per runtime.
 """
 
-import os
-import subprocess
-import sys
-import time
 from pathlib import Path
 
-from deepspeed_zero3.testing.ports import LaunchPort, memory_hint
+from deepspeed_zero3.testing.launching import deepspeed_command, run, runtime_env
+from deepspeed_zero3.testing.ports import memory_hint
 
 REPO = Path(__file__).resolve().parent.parent.parent
 
 
 def launch(script: Path, runtime: str, world: int, args, log: Path, timeout_s: int) -> dict:
     """Run ``script *args`` on ``world`` CPU ranks; returns its exit status (or "timeout"), seconds and log."""
-    env = dict(os.environ)
-    env.update(DS_ACCELERATOR="cpu", LOCAL_SIZE=str(world), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    env["DEEPSPEED_ZERO3"] = "0" if runtime == "upstream" else "1"
-    launcher = Path(sys.executable).parent / "deepspeed"
-    start = time.time()
-    with LaunchPort() as port, open(log, "w") as log_file:
-        command = [str(launcher), "--num_gpus", str(world), "--master_port", str(port.port), str(script), *args]
-        proc = subprocess.Popen(command, env=env, stdout=log_file, stderr=subprocess.STDOUT, cwd=REPO,
-                                start_new_session=True)
-        try:
-            rc = proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)  # the launcher and its ranks, nothing else
-            proc.wait()
-            rc = "timeout"
-    return {"rc": rc, "seconds": round(time.time() - start, 1), "log": log, "port": port.port,
-            "shm_freed": port.shm_freed, "memory": memory_hint() if rc != 0 else None}
+    env = runtime_env(runtime, world, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    launched = run(lambda port: deepspeed_command(world, port, [script, *args]), env, timeout_s, log=log, cwd=REPO)
+    rc = "timeout" if launched.timed_out else launched.returncode
+    return {"rc": rc, "seconds": launched.seconds, "log": log, "port": launched.port,
+            "shm_freed": launched.shm_freed, "memory": memory_hint() if rc != 0 else None}
 
 
 def log_tail(run, lines=40) -> str:

@@ -93,7 +93,7 @@ def test_a_run_shorter_than_one_cycle_cannot_judge_trace_records():
 
 def test_table_has_a_column_per_rank_and_a_line_per_criterion():
     text = report.table(build(record(), record()))
-    assert "| | rank 0 | rank 1 |" in text
+    assert "|  | rank 0 | rank 1 |" in text
     assert "| RSS slope over the second half, KiB/step | 0.000 | 0.000 |" in text
     assert sum(line.startswith("PASS ") for line in text.splitlines()) == 4
     assert text.endswith("soak passed")

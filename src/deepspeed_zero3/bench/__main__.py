@@ -15,18 +15,15 @@ import datetime
 import json
 import os
 import platform
-import shutil
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-from deepspeed_zero3.testing.ports import free_port, memory_hint, release_shm_buffers
+from deepspeed_zero3.testing.launching import accelerator, deepspeed_command, read_json, run, runtime_env
+from deepspeed_zero3.testing.ports import memory_hint
 from deepspeed_zero3.bench import DEFAULT_BUCKET, DEFAULT_STEPS, DEFAULT_WARMUP, RUNTIMES, SCENARIOS
 
 LAUNCH_TIMEOUT_S = 1800
-POLL_S = 0.5
 
 
 def parse_args(argv=None):
@@ -88,105 +85,44 @@ def check_world_fits(parser, world: int, accel: str) -> None:
                      f"{'' if count else ' with a GPU'}, or DS_ACCELERATOR=cpu for CPU ranks")
 
 
-def find_launcher() -> str:
-    beside = Path(sys.executable).parent / "deepspeed"
-    if beside.exists():
-        return str(beside)
-    found = shutil.which("deepspeed")
-    if found is None:
-        sys.exit(f"no `deepspeed` launcher next to {sys.executable} or on PATH; install deepspeed==0.19.8")
-    return found
-
-
-def accelerator() -> str:
-    if os.environ.get("DS_ACCELERATOR"):
-        return os.environ["DS_ACCELERATOR"]
-    import torch
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def read_json(path: Path):
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-
-
 class Launch:
-    """One worker launch: the launcher subprocess, its log, and the JSON its rank 0 keeps up to date."""
+    """One worker launch: its command, its log, the JSON its rank 0 keeps up to date, and how it ended."""
 
-    def __init__(self, runtime: str, args, out: Path, launcher: str, accel: str):
+    def __init__(self, runtime: str, args, out: Path):
         self.runtime = runtime
+        self.world = args.world
         self.raw_path = out / "raw" / f"{runtime}.json"
         self.log_path = out / "logs" / f"{runtime}.log"
-        self.port = free_port()
-        self.cmd = [
-            launcher, "--num_gpus", str(args.world), "--master_port", str(self.port),
+        self.target = [
             "--module", "deepspeed_zero3.bench.worker",
             "--out", str(self.raw_path), "--model", args.model, "--bucket", str(args.bucket),
             "--reuse", str(args.reuse), "--steps", str(args.steps), "--warmup", str(args.warmup),
             "--scenarios", ",".join(args.scenarios),
         ]
-        self.env = dict(os.environ, DEEPSPEED_ZERO3="0" if runtime == "upstream" else "1", DS_ACCELERATOR=accel,
-                        LOCAL_SIZE=str(args.world), PYTHONUNBUFFERED="1")
-        self.returncode = None
-        self.seconds = None
-        self.timed_out = False
-        self.loadavg = None  # 1-minute load average before and after: timings mean little on a loaded machine
+        self.launched = None  # how it ended (a Launched), once run
 
-    def run(self, bar, timeout: int):
+    def run(self, bar, timeout: int) -> int:
+        """Launch and wait, moving ``bar`` as the worker reports scenarios done; returns how many it finished."""
         for path in (self.raw_path, self.log_path):
             path.parent.mkdir(parents=True, exist_ok=True)
             path.unlink(missing_ok=True)
-        start = time.time()
-        load_before = os.getloadavg()[0]
-        done = 0
-        shown = None
-        with open(self.log_path, "w") as log:
-            log.write("$ " + " ".join(f"{k}={self.env[k]}" for k in ("DEEPSPEED_ZERO3", "DS_ACCELERATOR", "LOCAL_SIZE"))
-                      + " " + " ".join(self.cmd) + "\n")
-            log.flush()
-            proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env,
-                                    start_new_session=True)
-            while True:
-                try:
-                    self.returncode = proc.wait(timeout=POLL_S)
-                except subprocess.TimeoutExpired:
-                    pass
-                progress = (read_json(self.raw_path) or {}).get("progress") or {}
-                finished = len(progress.get("done") or [])
-                if finished > done:
-                    bar.update(finished - done)
-                    done = finished
-                postfix = f"{self.runtime}: {progress.get('running') or ('starting' if not done else 'finishing')}"
-                if postfix != shown:  # redraw on change only: a log file gets a line per change, not per poll
-                    bar.set_postfix_str(postfix)
-                    shown = postfix
-                if self.returncode is not None:
-                    break
-                if time.time() - start > timeout:
-                    self.timed_out = True
-                    self._stop(proc)
-                    self.returncode = proc.returncode
-                    break
-        release_shm_buffers(self.port)
-        self.seconds = time.time() - start
-        self.loadavg = [round(load_before, 2), round(os.getloadavg()[0], 2)]
-        return done
+        done, shown = 0, None
 
-    @staticmethod
-    def _stop(proc):
-        """End the launcher and its ranks (the session this driver started for them)."""
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            try:
-                os.killpg(proc.pid, sig)
-            except ProcessLookupError:
-                return
-            try:
-                proc.wait(timeout=15)
-                return
-            except subprocess.TimeoutExpired:
-                continue
+        def show_progress():
+            nonlocal done, shown
+            progress = (read_json(self.raw_path) or {}).get("progress") or {}
+            finished = len(progress.get("done") or [])
+            if finished > done:
+                bar.update(finished - done)
+                done = finished
+            postfix = f"{self.runtime}: {progress.get('running') or ('starting' if not done else 'finishing')}"
+            if postfix != shown:  # redraw on change only: a log file gets a line per change, not per poll
+                bar.set_postfix_str(postfix)
+                shown = postfix
+
+        self.launched = run(lambda port: deepspeed_command(self.world, port, self.target),
+                            runtime_env(self.runtime, self.world), timeout, log=self.log_path, on_poll=show_progress)
+        return done
 
     def result(self):
         raw = read_json(self.raw_path)
@@ -207,9 +143,7 @@ def run_launches(args, out: Path):
     """Both launches, one at a time, under one progress bar; returns ({runtime: raw JSON or None}, failures, launches)."""
     from tqdm import tqdm
 
-    launcher = find_launcher()
-    accel = accelerator()
-    launches = [Launch(rt, args, out, launcher, accel) for rt in RUNTIMES]
+    launches = [Launch(rt, args, out) for rt in RUNTIMES]
     raw, failures = {}, []
     with tqdm(total=len(launches) * len(args.scenarios), desc="bench", unit="scenario", dynamic_ncols=True,
               file=sys.stderr) as bar:
@@ -217,12 +151,13 @@ def run_launches(args, out: Path):
             done = launch.run(bar, args.timeout)
             bar.update(len(args.scenarios) - done)  # a failed launch still moves the bar to its end
             raw[launch.runtime] = launch.result()
-            if launch.returncode != 0 or raw[launch.runtime] is None or launch.timed_out:
-                why = "timed out" if launch.timed_out else f"exit status {launch.returncode}"
+            launched = launch.launched
+            if launched.returncode != 0 or raw[launch.runtime] is None or launched.timed_out:
+                why = "timed out" if launched.timed_out else f"exit status {launched.returncode}"
                 failures.append(f"{launch.runtime} launch: {why}")
                 tqdm.write(f"{launch.runtime} launch failed ({why}); last lines of {launch.log_path}:\n"
                            f"{launch.log_tail()}\n{memory_hint()}", file=sys.stderr)
-    return raw, failures, launches, accel
+    return raw, failures, launches, accelerator()
 
 
 def write_frontier(summary, out: Path) -> dict:
@@ -291,8 +226,8 @@ def main(argv=None):
             "cpu_count": os.cpu_count(),
             "accelerator": accel,
             "wall_seconds": round(time.time() - started, 1),
-            "launch_seconds": {launch.runtime: round(launch.seconds or 0, 1) for launch in launches},
-            "loadavg_1min": {launch.runtime: launch.loadavg for launch in launches},
+            "launch_seconds": {launch.runtime: launch.launched.seconds for launch in launches},
+            "loadavg_1min": {launch.runtime: launch.launched.loadavg for launch in launches},
             "runtimes": {rt: (raw.get(rt) or {}).get("meta") for rt in RUNTIMES},
             "failures": failures,
         }

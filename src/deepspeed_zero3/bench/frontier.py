@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 from deepspeed_zero3.bench import RUNTIMES
+from deepspeed_zero3.bench.tables import markdown_table
 
 MODEL_A_NUMEL = 6_312_196
 DEFAULT = 1_000_000_000
@@ -109,13 +110,13 @@ def _f(value, fmt: str) -> str:
     return "-" if value is None else format(value, fmt)
 
 
+HEADER = ("cap", "reuse", "upstream peak", "upstream gathered / step", "upstream demand / step", "upstream CPU ms",
+          "upstream wall ms", "ours peak", "ours gathered / step", "ours demand / step", "ours CPU ms", "ours wall ms",
+          "upstream at our peak: gathered, CPU ms", "ours / upstream at equal peak: gathered, CPU")
+
+
 def markdown(summary: Dict[str, dict]) -> str:
-    out = [
-        "| cap | reuse | upstream peak | upstream gathered / step | upstream demand / step | upstream CPU ms | "
-        "upstream wall ms | ours peak | ours gathered / step | ours demand / step | ours CPU ms | ours wall ms | "
-        "upstream at our peak: gathered, CPU ms | ours / upstream at equal peak: gathered, CPU |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
+    rows = []
     for name, up, ours, at_gathered, at_cpu in comparison(summary):
         cap, _, reuse, _ = POINTS[name]
         cells = []
@@ -128,8 +129,8 @@ def markdown(summary: Dict[str, dict]) -> str:
             f"{_f(at_gathered, '.2f')}x, {_f(at_cpu, '.0f')}"
         ratios = "-" if not ours or at_gathered is None else \
             f"{ours['gathered'] / at_gathered:.2f}, {ours['cpu_ms'] / at_cpu:.2f}"
-        out.append(f"| {cap} | {reuse} | " + " | ".join(cells) + f" | {read} | {ratios} |")
-    return "\n".join(out) + "\n"
+        rows.append((cap, reuse, *cells, read, ratios))
+    return markdown_table(HEADER, rows, align="ll" + "r" * (len(HEADER) - 2)) + "\n"
 
 
 def plot(summary: Dict[str, dict], path: Path) -> Optional[Path]:

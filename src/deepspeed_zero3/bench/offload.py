@@ -13,11 +13,13 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from deepspeed_zero3.bench.tables import markdown_table
+from deepspeed_zero3.testing.launching import deepspeed_command, run, runtime_env
 
 RUNTIMES = ("upstream", "ours")
 DEVICES = ("cpu", "nvme")
@@ -77,37 +79,31 @@ def worker(args) -> None:
 
 
 def launch(runtime: str, device: str, args, out_dir: Path) -> dict:
-    from deepspeed_zero3.testing.ports import LaunchPort
-
-    out = out_dir / f"{runtime}_{device}.json"
-    env = dict(os.environ, DS_ACCELERATOR="cpu", LOCAL_SIZE="2", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-               DEEPSPEED_ZERO3="1" if runtime == "ours" else "0")
-    launcher = Path(sys.executable).parent / "deepspeed"
-    with LaunchPort() as port, open(out_dir / f"{runtime}_{device}.log", "w") as log:
-        command = [str(launcher), "--num_gpus", "2", "--master_port", str(port.port), "--module",
-                   "deepspeed_zero3.bench.offload", "--worker", "--device", device, "--out", str(out),
-                   "--steps", str(args.steps), "--warmup", str(args.warmup)]
-        rc = subprocess.run(command, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=args.timeout).returncode
-    if rc != 0 or not out.exists():
-        raise SystemExit(f"offload bench: the {runtime} launch with offload_param.device={device} failed (rc {rc}); "
-                         f"see {out_dir / f'{runtime}_{device}.log'}")
+    out, log = out_dir / f"{runtime}_{device}.json", out_dir / f"{runtime}_{device}.log"
+    target = ["--module", "deepspeed_zero3.bench.offload", "--worker", "--device", device, "--out", out,
+              "--steps", args.steps, "--warmup", args.warmup]
+    launched = run(lambda port: deepspeed_command(2, port, target),
+                   runtime_env(runtime, 2, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1"), args.timeout, log=log)
+    if launched.returncode != 0 or not out.exists():
+        why = f"ran past --timeout {args.timeout}s" if launched.timed_out else f"failed (rc {launched.returncode})"
+        raise SystemExit(f"offload bench: the {runtime} launch with offload_param.device={device} {why}; see {log}")
     return json.loads(out.read_text())
 
 
 def table(results: dict) -> str:
-    lines = ["| offload_param | upstream wall / CPU per step (ms) | ours wall / CPU per step (ms) | ours/upstream "
-             "(wall, CPU) | losses bitwise | ours swap-ins per steady pass (ahead, demand, unused) |",
-             "|---|---|---|---|---|---|"]
+    rows = []
     for device in DEVICES:
         up, ours = results["upstream", device], results["ours", device]
         med = {name: (statistics.median(r["wall_s"]) * 1e3, statistics.median(r["cpu_s"]) * 1e3)
                for name, r in (("up", up), ("ours", ours))}
         swaps = ", ".join(f"{p['kind']} {p['swap_in_ahead']}/{p['swap_in_demand']}/{p['swap_in_unused']}"
                           for p in ours.get("swap_ins", [])) if device == "nvme" else "-"
-        lines.append(f"| {device} | {med['up'][0]:.0f} / {med['up'][1]:.0f} | {med['ours'][0]:.0f} / "
-                     f"{med['ours'][1]:.0f} | {med['ours'][0] / med['up'][0]:.2f}, {med['ours'][1] / med['up'][1]:.2f} "
-                     f"| {'yes' if up['losses'] == ours['losses'] else 'NO'} | {swaps} |")
-    return "\n".join(lines)
+        rows.append((device, f"{med['up'][0]:.0f} / {med['up'][1]:.0f}", f"{med['ours'][0]:.0f} / {med['ours'][1]:.0f}",
+                     f"{med['ours'][0] / med['up'][0]:.2f}, {med['ours'][1] / med['up'][1]:.2f}",
+                     "yes" if up["losses"] == ours["losses"] else "NO", swaps))
+    return markdown_table(("offload_param", "upstream wall / CPU per step (ms)", "ours wall / CPU per step (ms)",
+                           "ours/upstream (wall, CPU)", "losses bitwise",
+                           "ours swap-ins per steady pass (ahead, demand, unused)"), rows, align="lrrrll")
 
 
 def main(argv=None) -> None:

@@ -16,6 +16,8 @@ import sys
 import time
 from pathlib import Path
 
+from deepspeed_zero3.bench.tables import text_table
+
 WINDOWS = (2, 10, 50, 100, 500)
 MODULES = 4000
 REPEATS = 5
@@ -71,12 +73,10 @@ def run(windows=WINDOWS, modules: int = MODULES) -> dict:
 
 
 def table(results: dict) -> str:
-    first = results[min(results, key=int)]
-    lines = ["prefetch planner, per fetch (reached + plan), one-numel parameters",
-             f"{'window (params)':>16}  {'us per fetch':>12}  {'vs window ' + min(results, key=int):>14}"]
-    for window, us in results.items():
-        lines.append(f"{window:>16}  {us:>12.2f}  {us / first:>14.2f}")
-    return "\n".join(lines)
+    smallest = min(results, key=int)
+    rows = [(window, f"{us:.2f}", f"{us / results[smallest]:.2f}") for window, us in results.items()]
+    return ("prefetch planner, per fetch (reached + plan), one-numel parameters\n"
+            + text_table(("window (params)", "us per fetch", f"vs window {smallest}"), rows, align="rrr"))
 
 
 def main(argv=None) -> int:

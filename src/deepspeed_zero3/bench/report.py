@@ -20,7 +20,7 @@ A scenario that crashed keeps the cycles it completed; with none measured its nu
 import statistics
 from typing import Dict, List, Optional
 
-from deepspeed_zero3.bench import RUNTIMES
+from deepspeed_zero3.bench import RUNTIMES, tables
 
 PASS_KINDS = ("forward", "backward", "eval_forward")
 
@@ -142,15 +142,9 @@ def _crash_notes(entry: dict) -> List[str]:
 
 def text_table(summary: Dict[str, dict], meta: dict) -> str:
     out = []
-    header = ("", "upstream", "ours", "ours/upstream")
     for name, entry in summary.items():
-        body = list(rows(entry))
-        widths = [max(len(r[i]) for r in body + [header]) for i in range(4)]
-        line = "  ".join(f"{{:<{widths[0]}}}" if i == 0 else f"{{:>{widths[i]}}}" for i in range(4))
         out.append(heading(name, entry, meta))
-        out.append(line.format(*header))
-        out.append("  ".join("-" * w for w in widths))
-        out.extend(line.format(*r) for r in body)
+        out.append(tables.text_table(("", "upstream", "ours", "ours/upstream"), list(rows(entry))))
         out.extend(_crash_notes(entry))
         out.append("")
     return "\n".join(out)
@@ -167,18 +161,18 @@ def _training_step_x(side: dict):
 
 def markdown_overview(summary: Dict[str, dict]) -> str:
     """One line per scenario, upstream / ours: the numbers that differ most."""
-    out = ["| scenario | peak live gathered, % of model | gathered per training step (fwd + bwd), x model "
-           "| demand-fetched numel per cycle | trace re-records | step time ours/upstream: wall, CPU | status |",
-           "|---|---:|---:|---:|---:|---:|---|"]
+    body = []
     for name, entry in summary.items():
         step = {rt: _training_step_x(entry[rt]) for rt in RUNTIMES}
         times = ", ".join("-" if entry["ratio"].get(k) is None else f"{entry['ratio'][k]:.2f}"
                           for k in ("step_ms", "step_cpu_ms"))
-        out.append(f"| {name} | {_pair(entry, 'peak_live_pct', 'pct')} "
-                   f"| {_cell(step['upstream'], 'x')} / {_cell(step['ours'], 'x')} "
-                   f"| {_pair(entry, 'demand_per_cycle', 'int')} | {_pair(entry, 'trace_records', 'int')} "
-                   f"| {times} | {entry['upstream'].get('status', '-')} / {entry['ours'].get('status', '-')} |")
-    return "\n".join(out) + "\n"
+        gathered = f"{_cell(step['upstream'], 'x')} / {_cell(step['ours'], 'x')}"
+        status = f"{entry['upstream'].get('status', '-')} / {entry['ours'].get('status', '-')}"
+        body.append((name, _pair(entry, "peak_live_pct", "pct"), gathered, _pair(entry, "demand_per_cycle", "int"),
+                     _pair(entry, "trace_records", "int"), times, status))
+    header = ("scenario", "peak live gathered, % of model", "gathered per training step (fwd + bwd), x model",
+              "demand-fetched numel per cycle", "trace re-records", "step time ours/upstream: wall, CPU", "status")
+    return tables.markdown_table(header, body, align="lrrrrrl") + "\n"
 
 
 def markdown_table(summary: Dict[str, dict], meta: dict) -> str:
@@ -186,9 +180,8 @@ def markdown_table(summary: Dict[str, dict], meta: dict) -> str:
     for name, entry in summary.items():
         out.append(f"**{heading(name, entry, meta)}**")
         out.append("")
-        out.append("| | upstream 0.19.8 | deepspeed-zero3 | ours / upstream |")
-        out.append("|---|---:|---:|---:|")
-        out.extend(f"| {label} | {up} | {ours} | {r} |" for label, up, ours, r in rows(entry))
+        out.append(tables.markdown_table(("", "upstream 0.19.8", "deepspeed-zero3", "ours / upstream"),
+                                         list(rows(entry))))
         crashed = [rt for rt in RUNTIMES if entry[rt].get("status") not in ("ok", None) and entry[rt].get("error")]
         if crashed:
             out.append("")

@@ -4,6 +4,8 @@ import json
 import sys
 from pathlib import Path
 
+from deepspeed_zero3.bench.tables import markdown_table
+
 ROWS = [
     ("step_ms", "step time, ms", "{:.2f}"),
     ("peak_mib", "peak max_memory_allocated, MiB", "{:.1f}"),
@@ -30,7 +32,7 @@ def fmt(value, pattern) -> str:
 
 def table(directory: Path, prefix: str) -> str:
     """A markdown table: one column per runtime and a ratio, one block of rows per model of ``prefix``."""
-    lines = ["| model | measure | upstream | ours | ours/upstream |", "| --- | --- | --- | --- | --- |"]
+    rows = []
     for ours_path in sorted(directory.glob(f"{prefix}-*-ours.json")):
         model = ours_path.name[len(prefix) + 1:-len("-ours.json")]
         upstream_path = ours_path.with_name(ours_path.name.replace("-ours.json", "-upstream.json"))
@@ -44,8 +46,8 @@ def table(directory: Path, prefix: str) -> str:
             ratio = "-"
             if isinstance(a.get(key), (int, float)) and isinstance(b.get(key), (int, float)) and a[key]:
                 ratio = f"{b[key] / a[key]:.3f}"
-            lines.append(f"| {model} | {label} | {fmt(a.get(key), pattern)} | {fmt(b.get(key), pattern)} | {ratio} |")
-    return "\n".join(lines)
+            rows.append((model, label, fmt(a.get(key), pattern), fmt(b.get(key), pattern), ratio))
+    return markdown_table(("model", "measure", "upstream", "ours", "ours/upstream"), rows, align="llrrr")
 
 
 def main(argv):

@@ -2,25 +2,21 @@
 
 import json
 import os
-import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Dict, Optional
 
-from deepspeed_zero3.testing.ports import free_port
+from deepspeed_zero3.testing.launching import run, runtime_env
 
 RUNTIMES = ("upstream", "ours")
 SANITIZER_RACE = "CSAN detected a possible data race"
 
 
 def worker_env(runtime: str, extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
-    env = dict(os.environ)
-    env.update(DEEPSPEED_ZERO3="0" if runtime == "upstream" else "1", DS_ACCELERATOR=env.get("DS_ACCELERATOR", "cuda"),
-               RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_SIZE="1", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(free_port()), PYTHONUNBUFFERED="1", CUBLAS_WORKSPACE_CONFIG=":4096:8")
-    env.update(extra or {})
-    return env
+    """One rank and no launcher: the rank's variables are set here, its MASTER_PORT by ``launch``."""
+    rank = dict(DS_ACCELERATOR=os.environ.get("DS_ACCELERATOR", "cuda"), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1",
+                MASTER_ADDR="127.0.0.1", CUBLAS_WORKSPACE_CONFIG=":4096:8")
+    return runtime_env(runtime, 1, **dict(rank, **(extra or {})))
 
 
 def launch(runtime: str, out_dir: Path, name: str, args, timeout_s: int = 300, extra_env=None) -> dict:
@@ -29,15 +25,11 @@ def launch(runtime: str, out_dir: Path, name: str, args, timeout_s: int = 300, e
     out = out_dir / f"{name}-{runtime}.json"
     log = out_dir / f"{name}-{runtime}.log"
     command = [sys.executable, "-m", "deepspeed_zero3.bench.gpu.worker", "--out", str(out), *args]
-    start = time.time()
-    with open(log, "w") as log_file:
-        try:
-            rc = subprocess.run(command, env=worker_env(runtime, extra_env), stdout=log_file,
-                                stderr=subprocess.STDOUT, timeout=timeout_s).returncode
-        except subprocess.TimeoutExpired:
-            rc = "timeout"
+    launched = run(lambda port: command, worker_env(runtime, extra_env), timeout_s, log=log,
+                   port_variable="MASTER_PORT")
+    rc = "timeout" if launched.timed_out else launched.returncode
     result = json.loads(out.read_text()) if rc == 0 and out.exists() else {"error": f"rc={rc}"}
-    result.update(rc=rc, seconds=round(time.time() - start, 1), log=str(log))
+    result.update(rc=rc, seconds=launched.seconds, log=str(log))
     return result
 
 

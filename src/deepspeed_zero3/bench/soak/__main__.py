@@ -8,15 +8,13 @@ Exit status: 0 when the launch finished and every enforced flatness criterion he
 """
 
 import os
-import subprocess
 import sys
-import time
 from pathlib import Path
 
-from deepspeed_zero3.bench.__main__ import Launch, accelerator, check_world_fits, find_launcher, read_json
+from deepspeed_zero3.bench.__main__ import check_world_fits
 from deepspeed_zero3.bench.soak import options
 from deepspeed_zero3.bench.worker import write_json
-from deepspeed_zero3.testing.ports import LaunchPort
+from deepspeed_zero3.testing.launching import accelerator, deepspeed_command, read_json, run, runtime_env
 
 LAUNCH_TIMEOUT_S = 1800
 
@@ -35,14 +33,13 @@ def parse_args(argv=None):
     return args
 
 
-def worker_command(args, launcher: str, port: int) -> list:
+def worker_target(args) -> list:
+    """What the launcher runs on every rank: the soak worker with this run's flags."""
     flags = ["--steps", args.steps, "--world", args.world, "--eval-every", args.eval_every,
              "--generate-every", args.generate_every, "--generate-tokens", args.generate_tokens,
              "--engine-every", args.engine_every, "--bucket", args.bucket, "--max-rss-slope", args.max_rss_slope,
              "--out", args.out]
-    return ([launcher, "--num_gpus", str(args.world), "--master_port", str(port),
-             "--module", "deepspeed_zero3.bench.soak.worker"] + [str(f) for f in flags]
-            + (["--relaxed"] if args.relaxed else []))
+    return ["--module", "deepspeed_zero3.bench.soak.worker", *flags] + (["--relaxed"] if args.relaxed else [])
 
 
 def main(argv=None):
@@ -50,34 +47,23 @@ def main(argv=None):
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "soak.json").unlink(missing_ok=True)  # a failed launch must not leave the last run's verdict behind
-    env = dict(os.environ, DEEPSPEED_ZERO3="1", DS_ACCELERATOR=accelerator(), LOCAL_SIZE=str(args.world),
-               PYTHONUNBUFFERED="1")
-    load_before, start = os.getloadavg()[0], time.time()
-    with LaunchPort() as port:
-        proc = subprocess.Popen(worker_command(args, find_launcher(), port.port), env=env,
-                                start_new_session=True)  # its own session: stopped as a group
-        try:
-            returncode = proc.wait(timeout=args.timeout)
-        except subprocess.TimeoutExpired:
-            Launch._stop(proc)
-            print(f"soak: the launch ran past --timeout {args.timeout}s and was stopped", file=sys.stderr)
-            return 1
-        except KeyboardInterrupt:
-            Launch._stop(proc)
-            raise
-    wall = time.time() - start
+    launched = run(lambda port: deepspeed_command(args.world, port, worker_target(args)),
+                   runtime_env("ours", args.world), args.timeout)
+    if launched.timed_out:
+        print(f"soak: the launch ran past --timeout {args.timeout}s and was stopped", file=sys.stderr)
+        return 1
     result = read_json(out / "soak.json")
     if result is None:
-        print(f"soak: the launch exited {returncode} without writing {out / 'soak.json'} (see the output above)",
-              file=sys.stderr)
+        print(f"soak: the launch exited {launched.returncode} without writing {out / 'soak.json'} (see the output "
+              "above)", file=sys.stderr)
         return 1
-    result["meta"].update(wall_seconds=round(wall, 1), loadavg_1min=[round(load_before, 2),
-                                                                    round(os.getloadavg()[0], 2)],
+    result["meta"].update(wall_seconds=launched.seconds, loadavg_1min=launched.loadavg,
                           command=" ".join(["python -m deepspeed_zero3.bench.soak", *(argv or sys.argv[1:])]))
     write_json(out / "soak.json", result)
-    print(f"soak: wall time {wall:.0f}s (launch included), 1-min load average {load_before:.1f} -> "
-          f"{os.getloadavg()[0]:.1f}, {os.cpu_count()} CPU cores; results {out / 'soak.json'}, plot {out / 'soak.png'}")
-    return 0 if returncode == 0 and result["passed"] else 1
+    load_before, load_after = launched.loadavg
+    print(f"soak: wall time {launched.seconds:.0f}s (launch included), 1-min load average {load_before:.1f} -> "
+          f"{load_after:.1f}, {os.cpu_count()} CPU cores; results {out / 'soak.json'}, plot {out / 'soak.png'}")
+    return 0 if launched.returncode == 0 and result["passed"] else 1
 
 
 if __name__ == "__main__":

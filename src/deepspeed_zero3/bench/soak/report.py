@@ -12,6 +12,8 @@ a few steps has no steady state to judge.
 import statistics
 from typing import List, Optional
 
+from deepspeed_zero3.bench.tables import markdown_table
+
 
 def slope(xs: List[float], ys: List[float]) -> float:
     """Least-squares slope of ys against xs."""
@@ -135,11 +137,10 @@ def table(result: dict) -> str:
         f"**soak: {meta['steps']} steps, {meta['model']}, {meta['world']} ranks ({meta['backend']}), cycle of "
         f"{meta['cycle_length']} steps; second half = steps {half[0] + 1}-{half[1] + 1}**",
         "",
-        "| | " + " | ".join(f"rank {r}" for r in range(len(ranks))) + " |",
-        "|---|" + "---:|" * len(ranks),
+        markdown_table(["", *(f"rank {r}" for r in range(len(ranks)))],
+                       [[label, *(fmt(s) for s in ranks)] for label, fmt in ROWS]),
+        "",
     ]
-    lines += [f"| {label} | " + " | ".join(fmt(s) for s in ranks) + " |" for label, fmt in ROWS]
-    lines.append("")
     for check in result["criteria"]:
         mark = {True: "PASS", False: "FAIL", None: "n/a "}[check["passed"]]
         if check["passed"] is False and not check["enforced"]:
