@@ -6,7 +6,8 @@ imports it at every interpreter start.
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "get_zero3_stats", "reset_zero3_stats", "abandon_step", "overlay_status"]
+__all__ = ["__version__", "get_zero3_stats", "reset_zero3_stats", "abandon_step", "overlay_status",
+           "iter_gathered_parameters"]
 
 
 def __getattr__(name):
@@ -17,6 +18,9 @@ def __getattr__(name):
     if name == "abandon_step":
         from deepspeed_zero3.runtime.zero.recovery import abandon_step
         return abandon_step
+    if name == "iter_gathered_parameters":
+        from deepspeed_zero3.weights import iter_gathered_parameters
+        return iter_gathered_parameters
     if name == "overlay_status":
         from deepspeed_zero3.activation import overlay_status
         return overlay_status

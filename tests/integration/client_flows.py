@@ -28,6 +28,7 @@ from accelerate.utils import DeepSpeedPlugin  # noqa: E402
 from client_common import (advantages, generate, grpo_loss, make_lora_llama, modules_in_training_mode,  # noqa: E402
                            prompts, sampling_seed, set_lora_modes, train_batch)
 from common import crash_record, finish_flow, make_llama, parse_flow_args, runtime_name  # noqa: E402
+from deepspeed_zero3.testing.instrument import GatherMeter  # noqa: E402
 
 FLOW_TIMEOUT_S = int(os.environ.get("ZERO3_INTEGRATION_FLOW_TIMEOUT", "150"))
 STEPS = 3
@@ -94,7 +95,8 @@ def grpo(events, gather):
         with unwrap_model_for_generation(engine, accelerator, gather_deepspeed3_params=gather) as unwrapped:
             hooks["inside"] = hook_counts(engine)
             assert unwrapped is engine.module and not unwrapped.is_gradient_checkpointing
-            sequences = generate(unwrapped, prompt_ids, sample=True, seed=sampling_seed(rank(), step))
+            with GatherMeter(engine.module) as meter, meter.phase("generate"):
+                sequences = generate(unwrapped, prompt_ids, sample=True, seed=sampling_seed(rank(), step))
         hooks["after"] = hook_counts(engine)
         assert engine.module.is_gradient_checkpointing
         advantage = advantages(sequences)
@@ -103,7 +105,9 @@ def grpo(events, gather):
         events.append({"kind": "grpo", "prompts": prompt_ids.tolist(), "sequences": sequences.tolist(),
                        "advantages": advantage.tolist(), "loss": loss.item(), "logp": logp.item(),
                        "hook_lists": {k: v[0] for k, v in hooks.items()},
-                       "module_hooks": {k: v[1] for k, v in hooks.items()}})
+                       "module_hooks": {k: v[1] for k, v in hooks.items()},
+                       "generate_gathered": meter.snapshot()["generate"]["allgather_numel"],
+                       "partitioned_numel": sum(p.ds_numel for p in engine.module.parameters() if not p.ds_persist)})
     return engine
 
 
@@ -169,7 +173,52 @@ def generate_interleaved(events):
     return engine
 
 
-FLOWS = {f.__name__: f for f in (grpo_gather, grpo_no_gather, lora_eval_base, lora_checkpointing, generate_interleaved)}
+def lora_merge_stream(events):
+    """Two LoRA training steps, then the merged weights streamed out one layer at a time
+    (``iter_gathered_parameters(engine, merge_adapters=True)``), against peft's own ``merge_and_unload()`` on a
+    plain copy of the whole-model-gathered module; the adapters must be untouched. Ours only (the stream is ours)."""
+    import deepspeed
+    import deepspeed_zero3
+
+    accelerator, engine, optimizer = prepare(make_lora_llama(eval_base=False))
+    for step in range(2):
+        ids = train_batch(rank(), step)
+        train_step(accelerator, optimizer, engine(input_ids=ids, labels=ids).loss)
+    named = list(engine.module.named_parameters())
+
+    def full_copies():
+        with deepspeed.zero.GatheredParameters([p for _, p in named]):
+            return {name: p.detach().clone() for name, p in named}
+
+    before = full_copies()
+    stream = deepspeed_zero3.iter_gathered_parameters(engine, merge_adapters=True)
+    metadata = [(m.name, str(m.dtype), list(m.shape)) for m in stream.metadata()]
+    merged = {name: tensor.clone() for name, tensor in stream}
+    left_gathered = [name for name, p in named if not p.ds_persist and p.ds_status.name != "NOT_AVAILABLE"]
+    after = full_copies()
+
+    plain = make_lora_llama(eval_base=False)  # no ZeRO: peft merges it as it merges any model
+    plain.load_state_dict(before)
+    reference = plain.merge_and_unload()
+    expected = dict(reference.named_parameters())
+    largest = max(p.ds_numel for _, p in named)
+    events.append({
+        "kind": "merge",
+        "names": list(merged) == list(expected),
+        "metadata": metadata == [(n, str(t.dtype), list(t.shape)) for n, t in expected.items()],
+        "bitwise": list(merged) == list(expected) and all(torch.equal(merged[n], expected[n]) for n in expected),
+        "adapters_untouched": all(torch.equal(before[n], after[n]) for n in before),
+        "left_gathered": left_gathered,
+        "stats": {"allgather_calls": stream.stats.allgather_calls, "allgather_numel": stream.stats.allgather_numel,
+                  "peak_gathered_numel": stream.stats.peak_gathered_numel},
+        "bucket": stream.bucket_numel, "largest_unit": stream.largest_unit, "largest_param": largest,
+        "model_numel": sum(p.ds_numel for _, p in named if not p.ds_persist),
+    })
+    return engine
+
+
+FLOWS = {f.__name__: f for f in (grpo_gather, grpo_no_gather, lora_eval_base, lora_checkpointing, generate_interleaved,
+                                 lora_merge_stream)}
 
 
 def save_params(engine, path):

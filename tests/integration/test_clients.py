@@ -50,7 +50,7 @@ LORA_MODULES = 36
 
 @pytest.fixture(scope="module")
 def ours(launches):
-    return launches(SCRIPT, FLOWS, upstream=AGAINST_UPSTREAM)
+    return launches(SCRIPT, FLOWS + ([] if AGAINST_UPSTREAM else ["lora_merge_stream"]), upstream=AGAINST_UPSTREAM)
 
 
 @pytest.fixture(scope="module")
@@ -123,6 +123,7 @@ def test_upstream_equals_ours_bitwise(ours, upstream, needs_both_runtimes, flow)
         for their_event, my_event in zip(theirs["events"], mine["events"], strict=True):
             their_event, my_event = dict(their_event), dict(my_event)
             their_hooks, my_hooks = their_event.pop("module_hooks", None), my_event.pop("module_hooks", None)
+            their_event.pop("generate_gathered", None), my_event.pop("generate_gathered", None)
             assert their_event == my_event  # every loss, token and hook-list length, exactly
             if my_hooks is not None:
                 # ours puts a pre- and a post-forward hook on the root to mark a pass; upstream one pre-hook
@@ -130,3 +131,28 @@ def test_upstream_equals_ours_bitwise(ours, upstream, needs_both_runtimes, flow)
     theirs, mine = upstream.params(flow), ours.params(flow)
     assert theirs.keys() == mine.keys()
     assert all(torch.equal(theirs[name], mine[name]) for name in mine)
+
+
+@pytest.mark.parametrize("flow", ["grpo_gather", "grpo_no_gather"])
+def test_trl_generation_gathers_the_model_once_per_generate(ours, flow):
+    """[Note: keeping across no-grad passes] through TRL: with gather_deepspeed3_params=False, each generate() call
+    (16 forwards) gathers the partitioned parameters once, as the bench's default-keys row; with True, TRL has
+    gathered them before generate() and generation gathers nothing."""
+    for result in ours.results(flow):
+        for event in result["events"]:
+            expected = 0 if flow == "grpo_gather" else event["partitioned_numel"]
+            assert event["generate_gathered"] == expected, event["generate_gathered"]
+
+
+def test_merged_lora_stream_equals_peft_merge_bitwise(ours):
+    if AGAINST_UPSTREAM:
+        pytest.skip("the weight stream is deepspeed-zero3's")
+    for result in ours.results("lora_merge_stream"):
+        assert result["status"] == "ok", result.get("traceback")
+        (event, ) = result["events"]
+        assert event["names"] and event["metadata"] and event["bitwise"] and event["adapters_untouched"], event
+        assert event["left_gathered"] == []
+        stats = event["stats"]
+        assert stats["allgather_numel"] == event["model_numel"]  # every partitioned parameter once
+        # Layer by layer, never the whole model: at most two buckets at once.
+        assert stats["peak_gathered_numel"] <= 2 * event["bucket"] + event["largest_unit"] < event["model_numel"]

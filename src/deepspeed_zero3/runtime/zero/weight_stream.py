@@ -1,0 +1,211 @@
+"""Streaming full weights out of a ZeRO-3 model: coalesced gathers, one bucket in flight ahead of the consumer.
+
+[Note: streaming weights]
+A weight sync gathers every parameter once, in order, on every rank. One collective per
+tensor, and nothing in flight while the consumer works, are what make it slow.
+* Rule: the stream's units (a parameter, or the parameters one merged output needs) are cut
+  into buckets of at most ``bucket_numel`` numel still to gather (a larger unit alone). When
+  the consumer starts on bucket i, bucket i+1's all-gather is already issued; bucket i is
+  released when the consumer moves past it. Two buckets are live together only while they
+  fit in 2 x bucket + the largest unit, so the peak the stream gathers stays under that.
+* A parameter already gathered (persistent, kept by the runtime, inside the caller's
+  ``GatheredParameters``) is yielded as it is and never released by the stream.
+* The stream is the runtime's own gather path (``Gatherer``: the all-gather stream and its
+  back-pressure), but its parameters are not the coordinator's ``live`` ones: a pass never
+  releases them, and the stream refuses to start while a pass runs.
+* Leaving early (``break``, an exception in the consumer, ``close()``) completes what is in
+  flight and releases everything the stream gathered. Every rank must iterate alike: each
+  bucket is a collective, as each ``GatheredParameters`` is.
+"""
+
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+from torch.nn import Parameter
+
+from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+from deepspeed_zero3.runtime.zero.gather import held_by_gathered_parameters
+from deepspeed_zero3.runtime.zero.release import release as release_gathered
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """What a consumer needs before any gather: name, dtype and full shape of one yielded tensor."""
+    name: str
+    dtype: torch.dtype
+    shape: Tuple[int, ...]
+
+
+@dataclass
+class StreamUnit:
+    """Parameters gathered together and the ``(name, tensor)`` pairs read from them while they are gathered."""
+    params: Tuple[Parameter, ...]
+    produce: Callable[[], List[Tuple[str, torch.Tensor]]]
+    meta: Tuple[TensorMeta, ...]
+
+    @property
+    def numel(self) -> int:
+        return sum(p.ds_numel for p in self.params)
+
+
+@dataclass
+class StreamStats:
+    """Exact counts of one stream (tests assert them): all-gathers issued, numel gathered, peak held at once."""
+    allgather_calls: int = 0
+    allgather_numel: int = 0
+    peak_gathered_numel: int = 0
+    gathered_numel: int = 0  # held by the stream now
+
+
+@dataclass
+class _Bucket:
+    units: List[StreamUnit] = field(default_factory=list)
+    gathered: List[Parameter] = field(default_factory=list)  # what this stream gathered for it
+    issued: bool = False
+
+    @property
+    def pending_numel(self) -> int:
+        return sum(p.ds_numel for u in self.units for p in u.params if p.ds_status == ZeroParamStatus.NOT_AVAILABLE)
+
+
+def cut_buckets(units: Sequence[StreamUnit], bucket_numel: int) -> List[_Bucket]:
+    """Consecutive units, at most ``bucket_numel`` numel to gather per bucket (0: one unit per bucket)."""
+    buckets: List[_Bucket] = []
+    current, numel = _Bucket(), 0
+    for unit in units:
+        cost = sum(p.ds_numel for p in unit.params if p.ds_status == ZeroParamStatus.NOT_AVAILABLE)
+        if current.units and (bucket_numel == 0 or numel + cost > bucket_numel):
+            buckets.append(current)
+            current, numel = _Bucket(), 0
+        current.units.append(unit)
+        numel += cost
+    if current.units:
+        buckets.append(current)
+    return buckets
+
+
+class WeightStream:
+    """``(name, full tensor)`` for every unit, in order, on every rank ([Note: streaming weights]).
+
+    A yielded tensor is the gathered parameter's data (or a merged copy): use or copy it before moving past its
+    bucket, after which the stream releases the parameter. Iterate once; ``metadata()`` and ``groups()`` gather
+    nothing.
+    """
+
+    def __init__(self, coordinator, units: Sequence[StreamUnit], bucket_numel: int):
+        self.coordinator = coordinator
+        self.units = list(units)
+        self.bucket_numel = bucket_numel
+        self.largest_unit = max((u.numel for u in self.units), default=0)
+        self.stats = StreamStats()
+        self._buckets: Optional[List[_Bucket]] = None
+        self._generator: Optional[Iterator] = None
+
+    # ---------------------------------------------------------------- what a consumer reads first
+
+    def metadata(self) -> List[TensorMeta]:
+        return [meta for unit in self.units for meta in unit.meta]
+
+    def groups(self) -> List[List[str]]:
+        """The names of each bucket, in order: what ``iter_groups()`` yields together."""
+        return [[m.name for u in bucket.units for m in u.meta] for bucket in cut_buckets(self.units, self.bucket_numel)]
+
+    # ---------------------------------------------------------------- iteration
+
+    def __iter__(self) -> Iterator[Tuple[str, torch.Tensor]]:
+        try:
+            for _, pairs in self._run():
+                yield from pairs
+        finally:  # a loop left early drops this generator: release at once, not when the stream is collected
+            self.close()
+
+    def iter_groups(self) -> Iterator[Tuple[List[str], List[torch.Tensor]]]:
+        """One ``(names, tensors)`` per bucket: the consumer handles a whole bucket while the next is in flight."""
+        try:
+            for _, pairs in self._run():
+                yield [name for name, _ in pairs], [tensor for _, tensor in pairs]
+        finally:
+            self.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info):
+        self.close()
+        return False
+
+    def close(self) -> None:
+        """Stop early: complete what is in flight and release everything the stream gathered."""
+        if self._generator is not None:
+            self._generator.close()
+            self._generator = None
+
+    def _run(self):
+        if self._buckets is not None:
+            raise RuntimeError("a WeightStream is iterated once; call iter_gathered_parameters() again for another "
+                               "pass over the weights")
+        if self.coordinator.running is not None:
+            raise RuntimeError(f"iter_gathered_parameters: a {self.coordinator.running.kind.value} pass is running; "
+                               f"stream the weights between passes (after engine.step(), or outside the model's "
+                               f"forward)")
+        self._buckets = cut_buckets(self.units, self.bucket_numel)
+        self._generator = self._buckets_in_order()
+        return self._generator
+
+    def _buckets_in_order(self):
+        buckets = self._buckets
+        try:
+            for index, bucket in enumerate(buckets):
+                self._issue(bucket)
+                if index + 1 < len(buckets):
+                    ahead = buckets[index + 1]
+                    held = sum(p.ds_numel for p in bucket.gathered)
+                    if held + ahead.pending_numel <= 2 * self.bucket_numel + self.largest_unit:
+                        self._issue(ahead)
+                self._wait(bucket, check=True)
+                pairs = [pair for unit in bucket.units for pair in unit.produce()]
+                yield bucket, pairs
+                self._release(bucket)
+        finally:
+            for bucket in buckets:
+                if bucket.issued:
+                    self._wait(bucket, check=False)
+                    self._release(bucket)
+
+    # ---------------------------------------------------------------- gathering
+
+    def _issue(self, bucket: _Bucket) -> None:
+        if bucket.issued:
+            return
+        bucket.issued = True
+        params = [p for u in bucket.units for p in u.params]
+        with self.coordinator.lock:
+            for group in self.coordinator.gatherer.submit(params):
+                numel = sum(p.ds_numel for p in group)
+                self.stats.allgather_calls += 1
+                self.stats.allgather_numel += numel
+                self.stats.gathered_numel += numel
+                bucket.gathered.extend(group)
+        self.stats.peak_gathered_numel = max(self.stats.peak_gathered_numel, self.stats.gathered_numel)
+
+    def _wait(self, bucket: _Bucket, check: bool) -> None:
+        params = [p for u in bucket.units for p in u.params]
+        with self.coordinator.lock:
+            self.coordinator.gatherer.wait(params)
+        for param in params if check else ():
+            if param.ds_status != ZeroParamStatus.AVAILABLE:
+                raise RuntimeError(f"deepspeed-zero3: parameter ds_id={param.ds_id} shape={tuple(param.ds_shape)} is "
+                                   f"{param.ds_status.name} after the weight stream's gather; expected AVAILABLE")
+
+    def _release(self, bucket: _Bucket) -> None:
+        with self.coordinator.lock:
+            for param in bucket.gathered:
+                self.coordinator.inflight.pop(param, None)
+                self.stats.gathered_numel -= param.ds_numel
+                if (param.ds_status == ZeroParamStatus.AVAILABLE and not param.ds_active_sub_modules
+                        and not held_by_gathered_parameters(param)):
+                    release_gathered(param)  # [Note: releasing a gathered parameter]
+        bucket.gathered = []
+        bucket.issued = False

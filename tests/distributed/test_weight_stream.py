@@ -1,0 +1,167 @@
+"""``deepspeed_zero3.iter_gathered_parameters`` ([Note: streaming weights]): bucketed, one bucket in flight ahead.
+
+Model B (199,876 parameters), bucket 20,000. In named order the parameters are inp (1,024 + 64), then per block
+up (16,384 + 256) and down (16,384 + 64), then head (256 + 4). Cut at 20,000 numel to gather, the buckets are
+inp + block 0's up (17,728), then every Linear of the blocks alone (16,448 or 16,640), the last down with the head
+(16,708): 12 buckets, one coalesced all-gather each; the largest two consecutive ones, 34,176, are the peak.
+"""
+
+import pytest
+import torch
+
+import deepspeed
+import deepspeed_zero3
+from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+from deepspeed_zero3.testing.engines import batch, gathered_copies, train_step, training_engine, zero3_config
+from deepspeed_zero3.testing.models import model_b
+
+MODEL_B = 199_876
+BUCKET = 20_000
+BUCKETS = 12
+PEAK = 17_728 + 16_448
+
+
+def engine_over(model, **config):
+    return training_engine(model, zero3_config(bucket=BUCKET, reuse=0, **config))
+
+
+def nothing_gathered(model):
+    return all(p.ds_status == ZeroParamStatus.NOT_AVAILABLE for p in model.parameters())
+
+
+def test_values_order_and_exact_counts():
+    torch.manual_seed(0)
+    model = model_b()
+    engine = engine_over(model)
+    train_step(engine, batch(0, torch.distributed.get_rank()))
+    expected = gathered_copies(model.parameters())
+    stream = deepspeed_zero3.iter_gathered_parameters(engine)
+    assert [m.name for m in stream.metadata()] == [name for name, _ in model.named_parameters()]
+    assert [m.shape for m in stream.metadata()] == [tuple(p.ds_shape) for p in model.parameters()]
+    assert len(stream.groups()) == BUCKETS and stream.stats.allgather_calls == 0  # metadata gathers nothing
+    got = [(name, tensor.clone()) for name, tensor in stream]
+    assert [name for name, _ in got] == [name for name, _ in model.named_parameters()]
+    assert all(torch.equal(t, e) for (_, t), e in zip(got, expected, strict=True))
+    assert (stream.stats.allgather_calls, stream.stats.allgather_numel, stream.stats.peak_gathered_numel) == (
+        BUCKETS, MODEL_B, PEAK)
+    assert PEAK <= 2 * BUCKET + stream.largest_unit
+    assert nothing_gathered(model) and stream.stats.gathered_numel == 0
+    engine.destroy()
+
+
+@pytest.mark.world_size(4)
+def test_values_at_world_size_4():
+    torch.manual_seed(0)
+    model = model_b()
+    engine = engine_over(model)
+    train_step(engine, batch(0, torch.distributed.get_rank()))
+    expected = gathered_copies(model.parameters())
+    got = [tensor.clone() for _, tensor in deepspeed_zero3.iter_gathered_parameters(engine, bucket_numel=50_000)]
+    assert all(torch.equal(t, e) for t, e in zip(got, expected, strict=True))
+    assert nothing_gathered(model)
+    engine.destroy()
+
+
+def test_groups_bucket_zero_and_selected_names():
+    torch.manual_seed(0)
+    model = model_b()
+    engine = engine_over(model)
+    by_group = list(deepspeed_zero3.iter_gathered_parameters(engine).iter_groups())
+    assert [len(names) for names, _ in by_group] == [4] + [2] * 10 + [4]
+    one_at_a_time = deepspeed_zero3.iter_gathered_parameters(model, bucket_numel=0)
+    assert sum(1 for _ in one_at_a_time) == len(list(model.parameters()))
+    assert one_at_a_time.stats.allgather_calls == len(list(model.parameters()))
+    chosen = ["head.weight", "inp.bias"]
+    selected = deepspeed_zero3.iter_gathered_parameters(engine, names=chosen)
+    assert [name for name, _ in selected] == ["inp.bias", "head.weight"]  # the model's order
+    assert selected.stats.allgather_numel == 64 + 256
+    assert nothing_gathered(model)
+    engine.destroy()
+
+
+@pytest.mark.parametrize("leave", ["break", "exception", "close"])
+def test_leaving_early_releases_everything_and_training_goes_on_bitwise(leave):
+    rank = torch.distributed.get_rank()
+
+    def run(stream_once: bool):
+        torch.manual_seed(0)
+        model = model_b()
+        engine = engine_over(model)
+        losses = [train_step(engine, batch(0, rank))]
+        if stream_once:
+            stream = deepspeed_zero3.iter_gathered_parameters(engine)
+            if leave == "break":
+                for index, _ in enumerate(stream):
+                    if index == 5:
+                        break
+            elif leave == "exception":
+                with pytest.raises(ValueError, match="consumer failed"):
+                    for index, _ in enumerate(stream):
+                        if index == 5:
+                            raise ValueError("consumer failed")
+            else:
+                iterator = iter(stream)
+                for _ in range(6):
+                    next(iterator)
+                stream.close()
+            assert nothing_gathered(model) and stream.stats.gathered_numel == 0
+            assert stream.stats.allgather_calls == 3  # buckets 0 and 1 (parameters 0-5) and bucket 2 in flight
+        losses += [train_step(engine, batch(step, rank)) for step in (1, 2)]
+        params = gathered_copies(model.parameters())
+        engine.destroy()
+        return losses, params
+
+    losses, params = run(stream_once=True)
+    expected_losses, expected_params = run(stream_once=False)
+    assert losses == expected_losses
+    assert all(torch.equal(a, b) for a, b in zip(params, expected_params, strict=True))
+
+
+def test_parameters_already_gathered_are_yielded_without_a_gather():
+    torch.manual_seed(0)
+    model = model_b()
+    engine = engine_over(model)
+    params = list(model.parameters())
+    with deepspeed.zero.GatheredParameters(params):
+        stream = deepspeed_zero3.iter_gathered_parameters(engine)
+        got = [tensor.clone() for _, tensor in stream]
+        assert stream.stats.allgather_calls == 0
+        assert all(p.ds_status == ZeroParamStatus.AVAILABLE for p in params)  # still the context's
+        assert all(torch.equal(t, p.detach()) for t, p in zip(got, params, strict=True))
+    assert nothing_gathered(model)
+    engine.destroy()
+
+
+def test_cpu_parameter_offload():
+    torch.manual_seed(0)
+    model = model_b()
+    engine = engine_over(model, offload_param={"device": "cpu", "pin_memory": False})
+    train_step(engine, batch(0, torch.distributed.get_rank()))
+    expected = gathered_copies(model.parameters())
+    got = [tensor.clone() for _, tensor in deepspeed_zero3.iter_gathered_parameters(engine)]
+    assert all(torch.equal(t, e) for t, e in zip(got, expected, strict=True))
+    assert nothing_gathered(model)
+    engine.destroy()
+
+
+def test_bad_input_is_named():
+    torch.manual_seed(0)
+    model = model_b()
+    engine = engine_over(model)
+    with pytest.raises(ValueError, match=r"1 name\(s\) not in the model: 'head.wieght' \(did you mean 'head.weight'\?\)"):
+        deepspeed_zero3.iter_gathered_parameters(engine, names=["head.wieght"])
+    with pytest.raises(TypeError, match="names='head.weight' is one string"):
+        deepspeed_zero3.iter_gathered_parameters(engine, names="head.weight")
+    with pytest.raises(ValueError, match="bucket_numel=-1 is not allowed"):
+        deepspeed_zero3.iter_gathered_parameters(engine, bucket_numel=-1)
+    with pytest.raises(ValueError, match="parameter 'weight' of Linear is not partitioned"):
+        deepspeed_zero3.iter_gathered_parameters(torch.nn.Linear(2, 2))
+    with pytest.raises(TypeError, match="got str"):
+        deepspeed_zero3.iter_gathered_parameters("model")
+    with pytest.raises(ValueError, match="expects a peft LoRA model"):
+        deepspeed_zero3.iter_gathered_parameters(engine, merge_adapters=True)
+    stream = deepspeed_zero3.iter_gathered_parameters(engine)
+    list(stream)
+    with pytest.raises(RuntimeError, match="iterated once"):
+        list(stream)
+    engine.destroy()
