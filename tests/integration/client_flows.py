@@ -95,6 +95,7 @@ def grpo(events, gather):
         with unwrap_model_for_generation(engine, accelerator, gather_deepspeed3_params=gather) as unwrapped:
             hooks["inside"] = hook_counts(engine)
             assert unwrapped is engine.module and not unwrapped.is_gradient_checkpointing
+            partitioned = sum(p.ds_numel for p in engine.module.parameters() if p.ds_status.name == "NOT_AVAILABLE")
             with GatherMeter(engine.module) as meter, meter.phase("generate"):
                 sequences = generate(unwrapped, prompt_ids, sample=True, seed=sampling_seed(rank(), step))
         hooks["after"] = hook_counts(engine)
@@ -107,7 +108,7 @@ def grpo(events, gather):
                        "hook_lists": {k: v[0] for k, v in hooks.items()},
                        "module_hooks": {k: v[1] for k, v in hooks.items()},
                        "generate_gathered": meter.snapshot()["generate"]["allgather_numel"],
-                       "partitioned_numel": sum(p.ds_numel for p in engine.module.parameters() if not p.ds_persist)})
+                       "partitioned_numel": partitioned})
     return engine
 
 
@@ -191,10 +192,12 @@ def lora_merge_stream(events):
             return {name: p.detach().clone() for name, p in named}
 
     before = full_copies()
+    partitioned = sum(p.ds_numel for _, p in named if p.ds_status.name == "NOT_AVAILABLE")
+    available_before = [name for name, p in named if p.ds_status.name != "NOT_AVAILABLE"]
     stream = deepspeed_zero3.iter_gathered_parameters(engine, merge_adapters=True)
     metadata = [(m.name, str(m.dtype), list(m.shape)) for m in stream.metadata()]
     merged = {name: tensor.clone() for name, tensor in stream}
-    left_gathered = [name for name, p in named if not p.ds_persist and p.ds_status.name != "NOT_AVAILABLE"]
+    available_after = [name for name, p in named if p.ds_status.name != "NOT_AVAILABLE"]
     after = full_copies()
 
     plain = make_lora_llama(eval_base=False)  # no ZeRO: peft merges it as it merges any model
@@ -208,11 +211,11 @@ def lora_merge_stream(events):
         "metadata": metadata == [(n, str(t.dtype), list(t.shape)) for n, t in expected.items()],
         "bitwise": list(merged) == list(expected) and all(torch.equal(merged[n], expected[n]) for n in expected),
         "adapters_untouched": all(torch.equal(before[n], after[n]) for n in before),
-        "left_gathered": left_gathered,
+        "left_as_found": available_after == available_before,
         "stats": {"allgather_calls": stream.stats.allgather_calls, "allgather_numel": stream.stats.allgather_numel,
                   "peak_gathered_numel": stream.stats.peak_gathered_numel},
         "bucket": stream.bucket_numel, "largest_unit": stream.largest_unit, "largest_param": largest,
-        "model_numel": sum(p.ds_numel for _, p in named if not p.ds_persist),
+        "partitioned_numel": partitioned, "model_numel": sum(p.ds_numel for _, p in named),
     })
     return engine
 

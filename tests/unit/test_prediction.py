@@ -92,3 +92,18 @@ def test_keep_plan_is_the_backward_prefix_within_cap_less_bucket_and_reuse():
     # reuse distance of b: forward after its last use (c: 2) + backward before its first use (c: 2) = 4
     assert plan_kept(forward, backward, *settings(100, 4)) == {p[2]}
     assert plan_kept(forward, backward, *settings(100, 5)) == {p[2], p[1]}
+
+
+def test_a_module_that_gathers_nothing_is_left_out_and_may_run_anywhere():
+    """A LayerNorm under the persistence threshold: registered after the layer's Linears (HF Llama registers
+    input_layernorm after self_attn and mlp) but run first; it gathers nothing, so the guess still holds."""
+    linear_a, linear_b = zparam(0, 16), zparam(1, 16)
+    norm = zmodule(2, zparam(2, 4, persist=True))
+    a, b = zmodule(1, linear_a), zmodule(3, linear_b)
+    prediction = PassPrediction()
+    prediction.managed_modules = lambda: [a, norm, b]
+    guess = prediction.forward_guess(PassKind.FORWARD, TraceCache())
+    assert guess.module_ids == (1, 3)
+    progress = PassProgress(PassKind.FORWARD, TraceCache(), guess)
+    assert [progress.observe(m) for m in (norm, a, norm, b)] == [StepOutcome.MATCHED] * 4
+    assert progress.replaying()

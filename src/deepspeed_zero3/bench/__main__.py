@@ -48,6 +48,16 @@ def parse_args(argv=None):
     parser.add_argument("--frontier", action="store_true",
                         help="instead of the scenarios: Model A training at caps {default, 50%%, 25%%, 10%%} x reuse "
                         "{0, default}; writes frontier.md and frontier.png (bench/frontier.py)")
+    parser.add_argument("--generate", action="store_true",
+                        help="instead of the scenarios: generate() of a tiny Llama at default keys, caps 50%%/25%% and "
+                        "reuse 0, both runtimes; writes <out>/generate/ (bench/generate.py)")
+    parser.add_argument("--export", action="store_true",
+                        help="instead of the scenarios: copying every full weight out three ways (per-parameter "
+                        "GatheredParameters, whole model, iter_gathered_parameters); writes <out>/export/ "
+                        "(bench/export.py)")
+    from deepspeed_zero3.bench import export, generate
+    generate.add_arguments(parser)
+    export.add_arguments(parser)
     parser.add_argument("--no-run", action="store_true",
                         help="launch nothing: redo the tables and plots from the raw JSON already in --out")
     parser.add_argument("--planner", action="store_true",
@@ -68,6 +78,11 @@ def parse_args(argv=None):
         parser.error(f"unknown scenario(s) {', '.join(unknown) or '(none given)'}; choose from {', '.join(SCENARIOS)}")
     if args.steps < 1 or args.warmup < 0 or args.world < 1:
         parser.error("--steps must be >= 1, --warmup >= 0, --world >= 1")
+    if sum((args.frontier, args.generate, args.export, args.planner)) > 1:
+        parser.error("--frontier, --generate, --export and --planner are separate runs: pick one")
+    if args.tokens < 1 or args.rounds < 1 or args.repeats < 1:
+        parser.error(f"--tokens, --rounds and --repeats must be >= 1 (got {args.tokens}, {args.rounds}, "
+                     f"{args.repeats})")
     args.scenarios = [s for s in known if s in wanted]  # canonical order: validate_fit last
     if not args.no_run and not args.planner:
         check_world_fits(parser, args.world, accelerator())
@@ -177,6 +192,9 @@ def main(argv=None):
     args = parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.generate or args.export:
+        from deepspeed_zero3.bench import export, generate
+        return (generate if args.generate else export).main(args)
     if args.planner:
         from deepspeed_zero3.bench import planner
         return planner.main(["--out", str(out / "planner.json")])

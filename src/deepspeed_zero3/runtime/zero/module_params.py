@@ -34,6 +34,12 @@ def fetch_params(module: Module, strict: bool = True) -> List[Parameter]:
         return sorted((p for p in params if hasattr(p, "ds_id")), key=lambda p: p.ds_id)
 
 
+def gathers_anything(module: Module) -> bool:
+    """Whether a fetch of ``module`` may gather: it covers a parameter that is not persistent (a module with none,
+    or only persistent ones, is neither gathered nor released, wherever it runs)."""
+    return any(not getattr(p, "ds_persist", False) for p in fetch_params(module, strict=False))
+
+
 def params_signature(module: Module) -> Optional[tuple]:
     """What ``fetch_params(module)`` depends on, in a form that is cheap to build and compare; None when the
     module's parameters cannot be told apart this cheaply (a z3 leaf, whose whole subtree counts, or external

@@ -7,9 +7,11 @@ Without a guess the first pass of each kind fetches every module on demand. Pref
   registration order (``ds_id`` order, stopping at z3 leaves as numbering does);
 * backward: the backward that last followed the forward it follows; else that forward reversed;
   with no forward to follow (one that raised), the most recent backward trace.
-A guess (``PredictedTrace``) lists the modules that fetch parameters and can run a forward (a z3
-leaf container never runs: its children's parameters are read through the getter), is followed
-loosely ([Note: trace selection]) and is never cached: the pass records what it observed.
+A guess (``PredictedTrace``) lists the modules that gather something (a parameter that is not
+persistent) and can run a forward (a z3 leaf container never runs: its children's parameters are
+read through the getter), is followed loosely ([Note: trace selection]): a module that gathers
+nothing (a LayerNorm under the persistence threshold) may run anywhere, and is never cached: the
+pass records what it observed.
 Invariant: every input is rank-symmetric (traces, ``ds_id`` numbering), so are the guesses.
 Keeping for the backward ([Note: budgeted keeping]) reads the same expected backward.
 """
@@ -19,7 +21,7 @@ from typing import Callable, Iterable, Optional, Sequence
 
 from torch.nn import Module
 
-from deepspeed_zero3.runtime.zero.module_params import fetch_params
+from deepspeed_zero3.runtime.zero.module_params import gathers_anything
 from deepspeed_zero3.runtime.zero.passes import PassKind
 from deepspeed_zero3.runtime.zero.trace import PassTrace, TraceCache
 
@@ -33,13 +35,13 @@ def runs_a_forward(module: Module) -> bool:
 
 
 class PredictedTrace(PassTrace):
-    """A guessed module order: the modules that fetch parameters and can run a forward, in the order the guess
+    """A guessed module order: the modules that gather something and can run a forward, in the order the guess
     expects them."""
 
     predicted = True
 
     def __init__(self, kind: PassKind, modules: Sequence[Module], source: str):
-        super().__init__(kind, [m for m in modules if runs_a_forward(m) and fetch_params(m, strict=False)])
+        super().__init__(kind, [m for m in modules if runs_a_forward(m) and gathers_anything(m)])
         self.source = source  # "registration", "borrowed", "reversed": for logs and tests
 
     def describe(self) -> str:

@@ -7,7 +7,7 @@ recently used trace is replayed. At each module the observed order is checked ag
 it; at the first difference the pass switches to the most recent cached trace whose
 prefix equals everything observed, else it records from there (fetching on demand),
 and its order becomes a new entry when it ends normally. A guess ([Note: first-pass
-prediction]) is followed loosely: a module without parameters may run anywhere in it.
+prediction]) is followed loosely: a module that gathers nothing may run anywhere in it.
 Invariant: every input to the choice (kind, observed order, cache contents and recency)
 is equal on every rank while the ranks run the same modules, so they issue the same
 collectives; ranks that do not are caught by [Note: diverging ranks].
@@ -20,7 +20,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from torch.nn import Module, Parameter
 
-from deepspeed_zero3.runtime.zero.module_params import fetch_params, params_signature
+from deepspeed_zero3.runtime.zero.module_params import fetch_params, gathers_anything, params_signature
 from deepspeed_zero3.runtime.zero.passes import PassKind
 
 
@@ -192,7 +192,7 @@ class PassProgress:
             if self.trace.module_at(self.trace_step + 1) is module:
                 self.trace_step += 1
                 return StepOutcome.MATCHED
-            if not fetch_params(module, strict=False):
+            if not gathers_anything(module):
                 return StepOutcome.MATCHED  # nothing to gather or release for it: the guess still holds
         elif self.trace.module_at(self.step) is module:
             self.trace_step = self.step
