@@ -165,3 +165,46 @@ def test_bad_input_is_named():
     with pytest.raises(RuntimeError, match="iterated once"):
         list(stream)
     engine.destroy()
+
+
+def test_nvme_parameter_offload_within_the_swap_buffers():
+    """Four 1 MiB partitions per rank on NVMe and two swap buffers: a bucket reads at most two of them, and is
+    issued ahead only while buffers are free; values equal GatheredParameters, and every buffer is free after."""
+    import shutil
+    import tempfile
+
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+
+    from deepspeed_zero3.testing.models import ResidualMLP
+
+    if not AsyncIOBuilder().is_compatible():
+        pytest.skip("async_io op not available (install libaio-dev, then `make venv` builds the op)")
+    rank = torch.distributed.get_rank()
+    swap_dir = [tempfile.mkdtemp(prefix="zero3-stream-nvme-") if rank == 0 else None]
+    torch.distributed.broadcast_object_list(swap_dir, src=0)
+    config = zero3_config(bucket=5_000_000, reuse=0,
+                          offload_param={"device": "nvme", "nvme_path": swap_dir[0], "pin_memory": False,
+                                         "buffer_count": 2, "buffer_size": 600_000, "max_in_cpu": 0},
+                          offload_optimizer={"device": "cpu"})
+    config["bf16"] = {"enabled": True}
+    config["zero_force_ds_cpu_optimizer"] = False
+    try:
+        torch.manual_seed(21)
+        model = ResidualMLP(inp=16, width=1024, hidden=1024, blocks=2, out=4)
+        engine = training_engine(model, config)
+        swapper = next(p.nvme_swapper for p in model.parameters() if getattr(p, "nvme_swapper", None) is not None)
+        train_step(engine, batch(0, rank).to(torch.bfloat16))
+        expected = gathered_copies(model.parameters())
+        stream = deepspeed_zero3.iter_gathered_parameters(engine)
+        got = [tensor.clone() for _, tensor in stream]
+        assert all(torch.equal(t, e) for t, e in zip(got, expected, strict=True))
+        # 4,219,908 numel fit one 5M bucket, but a bucket reads at most two NVMe partitions: two buckets, the
+        # second issued once the first gave its swap buffers back (issued ahead, its gather would assert).
+        assert (stream.stats.allgather_calls, stream.stats.allgather_numel) == (2, 4_219_908)
+        assert swapper.available_swap_in_buffers() == 2 and nothing_gathered(model)
+        train_step(engine, batch(1, rank).to(torch.bfloat16))
+        engine.destroy()
+    finally:
+        torch.distributed.barrier()
+        if rank == 0:
+            shutil.rmtree(swap_dir[0], ignore_errors=True)

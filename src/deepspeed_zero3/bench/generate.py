@@ -164,21 +164,23 @@ def plot(results: dict, path: Path):
 
     fig, ax = plt.subplots(figsize=(6.4, 4.4))
     ax.plot([0, 1], [1, 0], color="0.6", linestyle="--", linewidth=1, label="1 - B (gather only what does not fit)")
-    for runtime, color, marker in (("upstream", "tab:red", "s"), ("ours", "tab:blue", "o")):
+    for runtime, color, marker, offset in (("upstream", "tab:red", "s", (-6, 8)), ("ours", "tab:blue", "o", (-6, -12))):
+        points = {}
         for setting in SETTINGS:
             side = results.get(runtime, {}).get("settings", {}).get(setting, {})
-            if "peak" not in side:
-                continue
-            ax.scatter(side["peak"], side["gathered_per_token"], color=color, marker=marker, s=40,
-                       label=runtime if setting == next(iter(SETTINGS)) else None)
-            ax.annotate(setting, (side["peak"], side["gathered_per_token"]), fontsize=7, color=color,
-                        xytext=(4, 4), textcoords="offset points")
+            if "peak" in side:
+                points.setdefault((round(side["peak"], 3), round(side["gathered_per_token"], 3)), []).append(setting)
+        for index, ((x, y), settings) in enumerate(points.items()):
+            ax.scatter(x, y, color=color, marker=marker, s=40, label=runtime if index == 0 else None, zorder=3)
+            # Settings that land on one point share one label.
+            ax.annotate(", ".join(settings), (x, y), fontsize=7, color=color, xytext=offset, textcoords="offset points",
+                        ha="right")
     ax.set_xlabel("peak gathered, fraction of the model (B)")
     ax.set_ylabel("gathered per generated token, x model")
     ax.set_xlim(0, 1.05)
     ax.set_ylim(-0.05, 1.1)
     ax.set_title("generate() under ZeRO-3: tiny Llama, 2 ranks", fontsize=10)
-    ax.legend(fontsize=8, loc="upper right")
+    ax.legend(fontsize=8, loc="lower left")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

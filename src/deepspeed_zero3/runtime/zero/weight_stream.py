@@ -13,6 +13,8 @@ tensor, and nothing in flight while the consumer works, are what make it slow.
 * The stream is the runtime's own gather path (``Gatherer``: the all-gather stream and its
   back-pressure), but its parameters are not the coordinator's ``live`` ones: a pass never
   releases them, and the stream refuses to start while a pass runs.
+* NVMe partitions are read by the gather into the swapper's buffers: a bucket reads at most
+  ``buffer_count`` of them, and is issued ahead only while that many buffers are free.
 * Leaving early (``break``, an exception in the consumer, ``close()``) completes what is in
   flight and releases everything the stream gathered. Every rank must iterate alike: each
   bucket is a collective, as each ``GatheredParameters`` is.
@@ -27,6 +29,7 @@ from torch.nn import Parameter
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
 from deepspeed_zero3.runtime.zero.gather import held_by_gathered_parameters
+from deepspeed_zero3.runtime.zero.nvme_swap import blocks_gather, on_nvme
 from deepspeed_zero3.runtime.zero.release import release as release_gathered
 
 
@@ -70,17 +73,35 @@ class _Bucket:
         return sum(p.ds_numel for u in self.units for p in u.params if p.ds_status == ZeroParamStatus.NOT_AVAILABLE)
 
 
-def cut_buckets(units: Sequence[StreamUnit], bucket_numel: int) -> List[_Bucket]:
-    """Consecutive units, at most ``bucket_numel`` numel to gather per bucket (0: one unit per bucket)."""
+def _swap_reads(params) -> List[Parameter]:
+    """The NVMe partitions a gather of ``params`` would read into swap buffers ([Note: NVMe swap-in ahead])."""
+    return [p for p in params if blocks_gather(p)]
+
+
+def swap_buffer_count(units: Sequence[StreamUnit]) -> Optional[int]:
+    """The NVMe swapper's buffer count, if any parameter of the stream lives on NVMe."""
+    for unit in units:
+        for param in unit.params:
+            if on_nvme(param):
+                return param.nvme_swapper.param_buffer_count
+    return None
+
+
+def cut_buckets(units: Sequence[StreamUnit], bucket_numel: int, max_reads: Optional[int] = None) -> List[_Bucket]:
+    """Consecutive units, at most ``bucket_numel`` numel to gather per bucket (0: one unit per bucket) and at most
+    ``max_reads`` NVMe partitions to read (the swap buffers a gather may hold at once)."""
     buckets: List[_Bucket] = []
-    current, numel = _Bucket(), 0
+    current, numel, reads = _Bucket(), 0, 0
     for unit in units:
         cost = sum(p.ds_numel for p in unit.params if p.ds_status == ZeroParamStatus.NOT_AVAILABLE)
-        if current.units and (bucket_numel == 0 or numel + cost > bucket_numel):
+        unit_reads = len(_swap_reads(unit.params))
+        if current.units and (bucket_numel == 0 or numel + cost > bucket_numel
+                              or (max_reads is not None and reads + unit_reads > max_reads)):
             buckets.append(current)
-            current, numel = _Bucket(), 0
+            current, numel, reads = _Bucket(), 0, 0
         current.units.append(unit)
         numel += cost
+        reads += unit_reads
     if current.units:
         buckets.append(current)
     return buckets
@@ -99,6 +120,7 @@ class WeightStream:
         self.units = list(units)
         self.bucket_numel = bucket_numel
         self.largest_unit = max((u.numel for u in self.units), default=0)
+        self.swap_buffers = swap_buffer_count(self.units)  # None: nothing on NVMe
         self.stats = StreamStats()
         self._buckets: Optional[List[_Bucket]] = None
         self._generator: Optional[Iterator] = None
@@ -110,7 +132,8 @@ class WeightStream:
 
     def groups(self) -> List[List[str]]:
         """The names of each bucket, in order: what ``iter_groups()`` yields together."""
-        return [[m.name for u in bucket.units for m in u.meta] for bucket in cut_buckets(self.units, self.bucket_numel)]
+        return [[m.name for u in bucket.units for m in u.meta]
+                for bucket in cut_buckets(self.units, self.bucket_numel, self.swap_buffers)]
 
     # ---------------------------------------------------------------- iteration
 
@@ -150,7 +173,7 @@ class WeightStream:
             raise RuntimeError(f"iter_gathered_parameters: a {self.coordinator.running.kind.value} pass is running; "
                                f"stream the weights between passes (after engine.step(), or outside the model's "
                                f"forward)")
-        self._buckets = cut_buckets(self.units, self.bucket_numel)
+        self._buckets = cut_buckets(self.units, self.bucket_numel, self.swap_buffers)
         self._generator = self._buckets_in_order()
         return self._generator
 
@@ -162,7 +185,8 @@ class WeightStream:
                 if index + 1 < len(buckets):
                     ahead = buckets[index + 1]
                     held = sum(p.ds_numel for p in bucket.gathered)
-                    if held + ahead.pending_numel <= 2 * self.bucket_numel + self.largest_unit:
+                    if (held + ahead.pending_numel <= 2 * self.bucket_numel + self.largest_unit
+                            and self._swap_buffers_free_for(ahead)):
                         self._issue(ahead)
                 self._wait(bucket, check=True)
                 pairs = [pair for unit in bucket.units for pair in unit.produce()]
@@ -175,6 +199,12 @@ class WeightStream:
                     self._release(bucket)
 
     # ---------------------------------------------------------------- gathering
+
+    def _swap_buffers_free_for(self, bucket: _Bucket) -> bool:
+        """An NVMe bucket is issued ahead only if the swapper has a free buffer for each partition it reads (its
+        gather reads them synchronously and asserts one); otherwise after the current bucket gives its back."""
+        reads = _swap_reads(p for u in bucket.units for p in u.params)
+        return not reads or len(reads) <= reads[0].nvme_swapper.available_swap_in_buffers()
 
     def _issue(self, bucket: _Bucket) -> None:
         if bucket.issued:
