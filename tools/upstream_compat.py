@@ -4,8 +4,16 @@ Copies ``<checkout>/tests`` into a scratch directory (``compat-out/`` by default
 we run upstream's tests, we do not ship them), selects the stage-3 tests of the directories in ``TEST_DIRS``,
 runs each file under upstream (``DEEPSPEED_ZERO3=0``) and under ours (``DEEPSPEED_ZERO3=1``), one pytest
 process per file and runtime, one at a time, and rebuilds ``docs/compat/upstream-unit-tests.md`` from the
-results, which it keeps in ``docs/compat/upstream-unit-tests.json``. Files not run this time keep the rows
-measured before, each row dated, so a partial run (``--files``) updates only its own rows.
+results, which it keeps in ``docs/compat/upstream-unit-tests.json``.
+
+[Note: a release of the compat table]
+The table is only as good as the run behind it, so the page is one full run on one commit of this
+repository, named on the page with the pytest it ran under, the shims and the CPU's fp16 support: a full
+run starts from an empty store and keeps no row of an earlier run (``--resume`` continues a stopped run of
+the same commit, pytest and shims only). A partial run (``--files``) writes its own table under the work
+directory, never the docs. A test that did not report (its pytest crashed or timed out) is counted *not
+run*, with why; a module that skips itself at collection on this machine (fp16 tests on a CPU without
+fp16) is listed as not applicable here instead of being dropped.
 
 Only ``tests/`` is copied: upstream's ``tests/conftest.py`` puts the directory above it on ``sys.path``, and
 a checkout's ``deepspeed/`` there would shadow the installed deepspeed that both runtimes must share.
@@ -45,7 +53,7 @@ TIMEOUT_GRACE_S = 120
 ENV = {"DS_ACCELERATOR": "cpu", "LOCAL_SIZE": "4", "DS_UNITTEST_TIMEOUT": "300"}
 SELECT_ENV = "ZERO3_COMPAT_SELECT"
 COLLECT_ENV = "ZERO3_COMPAT_COLLECT"
-OUTCOMES = ("P", "F", "S", "XF")
+OUTCOMES = ("P", "F", "S", "XF", "NR")
 # [Note: the pytest upstream's tests run under]
 # Upstream's requirements-dev.txt pins pytest>=7.2.0,<8.4.0, and its suite depends on that: DistributedFixture
 # (unit/common.py) marks a class as a fixture through the `_pytestfixturefunction` attribute, which pytest 8.4
@@ -64,6 +72,12 @@ ON_PURPOSE = [
     ("b", r"test_zero_hook_attribute_delegation\.py::TestHookAttributeDelegation", None,
      "asserts upstream's per-module hook attributes (pre_bwd_fn, post_bwd_fn, applied_pre_backward_ref_cnt); "
      "ours keeps that state in the module tree's registry"),
+    ("b", r"test_zero_linear_direct_init\.py::TestZero3LinearDirectInit::test_wrapper_and_parameter_storage_lifecycle",
+     None, "asserts the weight of a one-Linear model is released after its first forward; ours keeps it for the "
+     "backward that needs it at once (a model under one bucket): parity scenario single_linear_root_memory_efficient"),
+    ("d", r"test_zero_leaf_module\.py::TestSetZ3LeafModule::test_no_grad_input_error", None,
+     "expects upstream's failure for a z3-leaf root with inputs that need no grad; ours trains, bitwise equal to "
+     "upstream with the inputs requiring grad: parity scenario z3_leaf_root_no_grad_inputs"),
 ]
 
 # ------------------------------------------------------------------------------------------ pytest plugin
@@ -114,12 +128,16 @@ def pytest_report_header(config):
 RUNTIME_LINE = "upstream_compat: parameter_offload from "
 PYTEST_LINE = "upstream_compat: pytest "
 _collect_errors = []
+_collect_skips = []
 _marker_deselected = []
 
 
 def pytest_collectreport(report):
     if report.failed:
         _collect_errors.append({"nodeid": report.nodeid, "error": str(report.longrepr)[-1500:]})
+    elif report.skipped:  # a module that skips itself at collection (pytest.skip(..., allow_module_level=True))
+        reason = report.longrepr[-1] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        _collect_skips.append({"nodeid": report.nodeid, "reason": str(reason).removeprefix("Skipped: ")[:300]})
 
 
 def pytest_deselected(items):
@@ -150,6 +168,7 @@ def pytest_collection_finish(session):
         json.dumps({
             "items": records,
             "errors": _collect_errors,
+            "skipped_modules": _collect_skips,
             "marker_deselected": len(_marker_deselected)
         }, indent=1))
 
@@ -193,10 +212,36 @@ def prepare(upstream: Path, work: Path, shims: bool) -> dict:
         compat_shims.apply(tests)  # [Note: CPU shims for upstream's test helpers]
     version = upstream / "version.txt"
     return {
-        "path": str(upstream),
         "commit": upstream_revision(upstream),
         "version_txt": version.read_text().strip() if version.exists() else "unknown",
     }
+
+
+def our_revision() -> dict:
+    """This repository's commit, and the runtime files that differ from it (a release measures a clean tree)."""
+    def git(*args):
+        return subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True).stdout
+
+    changed = [line.split(maxsplit=1)[1] for line in git("status", "--porcelain", "--", "src", "tools", "setup.py",
+                                                         "pyproject.toml").splitlines() if line.strip()]
+    return {"commit": git("rev-parse", "--short=12", "HEAD").strip() or "unknown", "changed_files": changed}
+
+
+def machine_dtypes() -> dict:
+    """What decides which of upstream's tests apply here: the CPU accelerator's dtypes and the CPU's fp16 flags."""
+    probe = ("from deepspeed.accelerator import get_accelerator; "
+             "print(','.join(str(d).removeprefix('torch.') for d in get_accelerator().supported_dtypes()))")
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          env=dict(os.environ, DS_ACCELERATOR="cpu"))
+    dtypes = proc.stdout.strip().splitlines()[-1].split(",") if proc.returncode == 0 and proc.stdout.strip() else []
+    flags = set()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    return {"accelerator_dtypes": dtypes, "fp16": "float16" in dtypes,
+            "cpu_flags": sorted(flags & {"avx512_fp16", "amx_fp16", "amx_bf16", "avx512_bf16", "amx_tile"})}
 
 
 def install_pytest(work: Path, version: str):
@@ -319,6 +364,11 @@ def run_file(work: Path, test_file: str, nodeids, runtime: str, timeout: int, py
             os.unlink(leftover)
     check_runtime(work / "logs" / f"{stem}.{runtime}.log", runtime, pytest_dir)
     results = read_junit(xml, nodeids)
+    missing = [n for n in nodeids if n not in results]
+    if missing:
+        why = "timed out" if rc == "timeout" else f"pytest exit {rc}"
+        for nodeid in missing:
+            results[nodeid] = ("NR", f"did not report ({why}; log compat-out/logs/{stem}.{runtime}.log)")
     log(f"{test_file} under {runtime}: rc {rc}, {counts(results)}")
     return results
 
@@ -352,32 +402,40 @@ def on_purpose(nodeid: str, our_message: str):
     return None
 
 
-def update_store(store: dict, collections: dict, ran: dict, upstream: dict, today: str, shims: list,
-                 pytest_version: str) -> None:
+def new_release(upstream: dict, shims: list, pytest_version: str, today: str) -> dict:
+    """An empty store for one full run ([Note: a release of the compat table])."""
+    return {"release": {"ours": our_revision(), "upstream": upstream, "pytest": pytest_version, "shims": shims,
+                        "started": today, "machine": machine_dtypes()},
+            "files": {}}
+
+
+def same_release(store: dict, fresh: dict) -> bool:
+    """Whether ``store`` is a stopped run that ``--resume`` may continue: same commit, upstream, pytest, shims."""
+    old, new = store.get("release") or {}, fresh["release"]
+    return all(old.get(key) == new[key] for key in ("ours", "upstream", "pytest", "shims"))
+
+
+def update_store(store: dict, collections: dict, ran: dict, today: str) -> None:
     items = {r["nodeid"]: r for r in collections["upstream"]["items"]}
     by_file = {}
     for record in items.values():
         by_file.setdefault(file_of(record["nodeid"]), []).append(record)
-    store["upstream"] = upstream
     store["collected_on"] = today
     store["collect_errors"] = {rt: c["errors"] for rt, c in collections.items()}
+    store["skipped_modules"] = {rt: c.get("skipped_modules", []) for rt, c in collections.items()}
     files = store.setdefault("files", {})
     for test_file, records in sorted(by_file.items()):
         entry = files.setdefault(test_file, {})
         entry["collected"] = len(records)
         entry["stage3"] = sum(r["stage3"] for r in records)
-        entry["collected_on"] = today
     for test_file, per_runtime in ran.items():
-        entry = files[test_file]
-        entry["run"] = {
+        files[test_file]["run"] = {
             "on": today,
-            "source": "make compat",
-            "tests": entry["stage3"],
-            "scope": "every stage-3 test",
+            "tests": files[test_file]["stage3"],
             "counts": {rt: counts(res) for rt, res in per_runtime.items()},
+            "not_run": {rt: sorted({why for outcome, why in res.values() if outcome == "NR"})
+                        for rt, res in per_runtime.items()},
             "differences": differences(per_runtime),
-            "shims": shims,
-            "pytest": pytest_version,
         }
 
 
@@ -404,20 +462,34 @@ def fmt(tally) -> str:
 
 
 def render(store: dict) -> str:
-    up = store["upstream"]
+    release = store["release"]
+    up, ours, machine = release["upstream"], release["ours"], release["machine"]
+    clean = "a clean tree" if not ours["changed_files"] else (
+        "with uncommitted changes to " + ", ".join(f"`{f}`" for f in ours["changed_files"]))
+    fp16 = ("yes" if machine["fp16"] else "no") + f" (DeepSpeed's CPU accelerator reports " \
+        f"{', '.join(machine['accelerator_dtypes']) or 'nothing'}; CPU flags: " \
+        f"{', '.join(machine['cpu_flags']) or 'none of avx512_fp16, amx_fp16, amx_bf16, avx512_bf16'})"
     lines = [
         "# Upstream DeepSpeed's ZeRO-3 unit tests: upstream runtime vs deepspeed-zero3",
         "",
         "Generated by `make compat UPSTREAM=<DeepSpeed checkout>` (`tools/upstream_compat.py`) from",
         "`docs/compat/upstream-unit-tests.json`; edit the script or its `ON_PURPOSE` list, not this file. Why each",
-        "on-purpose difference exists, and the CPU-only failures of both runtimes, are explained in",
+        "difference exists, and the CPU-only failures of both runtimes, are explained in",
         "[upstream-differences.md](upstream-differences.md).",
+        "",
+        "## This release",
+        "",
+        f"* One full run of deepspeed-zero3 commit `{ours['commit']}` ({clean}), started {release['started']};",
+        "  no row is carried over from another run ([Note: a release of the compat table] in the script).",
+        f"* Every file ran under pytest {release['pytest']}"
+        + (f", with the CPU shims ({', '.join(release['shims'])})" if release["shims"] else ", without shims") + ".",
+        f"* Upstream's tests: commit `{up['commit']}` (version.txt {up['version_txt']}), `tests/` copied into",
+        "  `compat-out/tests`; the installed deepspeed is the one both runtimes run. Nothing of upstream's is stored",
+        "  in this repository.",
+        f"* This CPU's fp16 support: {fp16}.",
         "",
         "## How it runs",
         "",
-        f"* Tests: `tests/` of the upstream checkout `{up['path']}` (commit `{up['commit']}`, version.txt",
-        f"  {up['version_txt']}), copied into `compat-out/tests`; only `tests/` is copied, so the installed",
-        "  deepspeed is the one both runtimes run. Nothing of upstream's is stored in this repository.",
         f"* Directories: {', '.join(f'`tests/{d}`' for d in TEST_DIRS)}. `tests/pytest.ini` applies its default",
         "  `-m \"not sequential and not nightly ...\"`.",
         "* Stage-3 selection (`is_stage3` in the script): a `zero_stage`/`stage` parameter equal to 3; without one,",
@@ -427,66 +499,63 @@ def render(store: dict) -> str:
         "  ZeRO-3 runs the same with both runtimes. The reason per test is in `compat-out/collect.upstream.json`.",
         "* Runtimes: `DEEPSPEED_ZERO3=0` (upstream untouched) and `=1` (ours), each file in its own pytest process,",
         "  one at a time, with `DS_ACCELERATOR=cpu LOCAL_SIZE=4 DS_UNITTEST_TIMEOUT=300` (gloo).",
-        f"* pytest: the children run pytest {UPSTREAM_PYTEST} (`--pytest`), the newest upstream's requirements-dev.txt",
-        "  allows (`<8.4`): from 8.4 on, pytest ignores how upstream's `DistributedFixture` declares a fixture and",
-        "  every test taking one errors *fixture not found* under both runtimes. Each row names the pytest it ran",
-        "  under; in upstream's 0.19.6 snapshot only `test_universal_checkpoint.py` and `test_zero_optimizer.py` take",
-        "  a `DistributedFixture`.",
+        f"* pytest {UPSTREAM_PYTEST} (`--pytest`) is the newest upstream's requirements-dev.txt allows (`<8.4`): from",
+        "  8.4 on, pytest ignores how upstream's `DistributedFixture` declares a fixture, and every test taking one",
+        "  errors *fixture not found* under both runtimes.",
         "* CPU shims (`tools/compat_shims.py`, on unless `--no-shims`): two helpers of upstream's suite fail on",
         "  the CPU accelerator under both runtimes before DeepSpeed runs: DDP baselines built with",
         "  `device_ids=[rank]` (a string on CPU) and `unit.common.reduce_boolean_flags` (tensors on device `'0'`,",
         "  a 0-d all-gather gloo refuses). The scratch copy's `unit/common.py` gets one appended line that, on",
         "  CPU only, leaves DDP's `device_ids` unset for CPU modules and replaces that helper; no test body or",
-        "  assertion changes. Rows run with them say *CPU shims*; rows without were run on unmodified tests.",
-        "* Counts are passed / failed / skipped / xfailed. A row's *run on* date says when it was measured; rows",
-        "  marked *earlier table* come from the first, hand-run measurement (same upstream commit, subsets of",
-        "  some files) and have not been re-run by the script yet.",
+        "  assertion changes.",
+        "* Counts are passed / failed / skipped / xfailed / not run (a test that did not report: its pytest",
+        "  crashed or timed out; the reason is listed under the table).",
         "",
         "## Results",
         "",
-        "| file | collected | stage-3 | run | upstream P/F/S/XF | deepspeed-zero3 P/F/S/XF | run on |",
-        "|---|---|---|---|---|---|---|",
+        "| file | collected | stage-3 | run | upstream P/F/S/XF/NR | deepspeed-zero3 P/F/S/XF/NR |",
+        "|---|---|---|---|---|---|",
     ]
     totals = {rt: {o: 0 for o in OUTCOMES} for rt in RUNTIMES}
     total_run = 0
+    not_run_notes = []
     for test_file, entry in sorted(store["files"].items()):
         run = entry.get("run")
         if run is None:
             if entry.get("stage3", 0) == 0:
                 continue
-            cells = ["not run yet", "", "", ""]
+            cells = ["not run in this release", "", ""]
         else:
             for rt in RUNTIMES:
                 for o in OUTCOMES:
                     totals[rt][o] += run["counts"][rt].get(o, 0)
             total_run += run["tests"]
-            ours = fmt(run["counts"]["ours"])
+            mine = fmt(run["counts"]["ours"])
             if run["counts"]["ours"].get("F", 0) > run["counts"]["upstream"].get("F", 0):
-                ours = ours.replace(f"/ {run['counts']['ours']['F']} /", f"/ **{run['counts']['ours']['F']}** /", 1)
-            scope = f"{run['tests']}" + ("" if run["scope"] == "every stage-3 test" else f" ({run['scope']})")
-            when = run["on"] + ("" if run["source"] == "make compat" else f", {run['source']}")
-            when += f", pytest {run['pytest']}" + (", CPU shims" if run.get("shims") else "")
-            cells = [scope, fmt(run["counts"]["upstream"]), ours, when]
+                mine = mine.replace(f"/ {run['counts']['ours']['F']} /", f"/ **{run['counts']['ours']['F']}** /", 1)
+            cells = [str(run["tests"]), fmt(run["counts"]["upstream"]), mine]
+            for rt, reasons in sorted(run.get("not_run", {}).items()):
+                not_run_notes += [f"* `{test_file.removeprefix('unit/')}` under {rt}: {why}" for why in reasons]
         lines.append(f"| {test_file.removeprefix('unit/')} | {entry.get('collected', '')} | {entry.get('stage3', '')} "
                      f"| {' | '.join(cells)} |")
-    lines.append(f"| **total run** | | | **{total_run}** | **{fmt(totals['upstream'])}** | **{fmt(totals['ours'])}** | |")
-    runs = [e["run"] for e in store["files"].values() if e.get("run")]
-    by_source = {}
-    for run in runs:
-        label = f"run by `make compat` on {run['on']}" if run["source"] == "make compat" else f"from the {run['source']}"
-        by_source[label] = by_source.get(label, 0) + run["tests"]
-    lines += [
-        "",
-        f"Stage-3 tests selected: {sum(e.get('stage3', 0) for e in store['files'].values())}. Run: {total_run}, "
-        + ", ".join(f"{n} {label}" for label, n in sorted(by_source.items())) + ". Rows *not run yet* wait for a "
-        "full `make compat`.",
-        "",
-        f"Collected on {store['collected_on']} under both runtimes. Collection errors: "
-        + "; ".join(f"{rt}: {len(errs)}" for rt, errs in sorted(store.get("collect_errors", {}).items())) + ".",
-    ]
+    lines.append(f"| **total run** | | | **{total_run}** | **{fmt(totals['upstream'])}** | **{fmt(totals['ours'])}** |")
+    lines += ["", f"Stage-3 tests selected: {sum(e.get('stage3', 0) for e in store['files'].values())}; run in this "
+              f"release: {total_run}."]
+    if not_run_notes:
+        lines += ["", "Tests that did not report:", ""] + not_run_notes
+    lines += ["", f"Collected on {store.get('collected_on', '?')} under both runtimes. Collection errors: "
+              + "; ".join(f"{rt}: {len(errs)}" for rt, errs in sorted(store.get("collect_errors", {}).items())) + "."]
     for rt, errs in sorted(store.get("collect_errors", {}).items()):
-        for err in errs:
+        for err in sorted(errs, key=lambda e: e["nodeid"]):
             lines.append(f"* {rt}: `{err['nodeid']}`: `{err['error'].strip().splitlines()[-1][:200]}`")
+    skipped = (store.get("skipped_modules") or {}).get("upstream", [])
+    lines += ["", "## Not applicable on this machine", ""]
+    if skipped:
+        lines += ["Modules that skip themselves at collection here (under both runtimes alike); their tests are not",
+                  "in the counts:", ""]
+        lines += [f"* `{m['nodeid'].removeprefix('unit/')}`: {m['reason']}" for m in sorted(skipped, key=lambda m: m["nodeid"])]
+    else:
+        lines.append("No module of these directories skips itself at collection on this machine.")
     lines += ["", "## Tests whose outcome differs between the runtimes", ""]
     any_difference = False
     for test_file, entry in sorted(store["files"].items()):
@@ -500,8 +569,8 @@ def render(store: dict) -> str:
         lines.append("None.")
     lines += [
         "",
-        "Categories: (b) the test asserts upstream internals our design changes on purpose; (c) a feature we",
-        "refuse with `NotImplementedError`, naming the kill switch.",
+        "Categories: (b) the test asserts upstream internals our design changes on purpose; (d) the test expects",
+        "upstream's failure where ours trains, bitwise equal to upstream trained the supported way.",
         "",
     ]
     return "\n".join(lines)
@@ -512,13 +581,13 @@ def main(argv=None):
     parser.add_argument("--upstream", type=Path, help="a DeepSpeed source checkout (its tests/)")
     parser.add_argument("--work", type=Path, default=REPO / "compat-out", help="scratch directory")
     parser.add_argument("--files", nargs="*", default=None,
-                        help="run only test files whose path ends with one of these (default: every file with "
-                        "stage-3 tests); other rows keep their earlier measurement")
-    parser.add_argument("--collect-only", action="store_true", help="update the collected/stage-3 counts only")
+                        help="run only test files whose path ends with one of these: a partial run, whose table "
+                        "goes to <work>/partial-unit-tests.md, never the docs")
+    parser.add_argument("--collect-only", action="store_true", help="collect and count only, into <work>")
     parser.add_argument("--render-only", action="store_true", help="rebuild the table from the results store only")
     parser.add_argument("--resume", action="store_true",
-                        help="skip files the results store already holds a `make compat` run of from today, "
-                        "under the same pytest and shims (to continue a run that was stopped)")
+                        help="continue a stopped full run of the same commit, upstream tests, pytest and shims: files "
+                        "it holds are not run again")
     parser.add_argument("--timeout", type=int, default=3600, help="seconds per file and runtime (a file of 70 "
                         "distributed tests takes about 25 minutes on 2 cores)")
     parser.add_argument("--pytest", default=UPSTREAM_PYTEST, help="pytest version the tests run under, installed "
@@ -526,10 +595,17 @@ def main(argv=None):
                         "upstream's requirements-dev.txt allows)")
     parser.add_argument("--no-shims", action="store_true", help="run upstream's tests exactly as fetched, without "
                         "the CPU shims for two of their helpers (tools/compat_shims.py)")
-    parser.add_argument("--results", type=Path, default=REPO / "docs/compat/upstream-unit-tests.json")
-    parser.add_argument("--doc", type=Path, default=REPO / "docs/compat/upstream-unit-tests.md")
+    parser.add_argument("--results", type=Path, default=None,
+                        help="results store (default docs/compat/upstream-unit-tests.json; <work>/partial-unit-tests.json "
+                        "for --files and --collect-only)")
+    parser.add_argument("--doc", type=Path, default=None, help="the rendered table (default: next to the results)")
     args = parser.parse_args(argv)
 
+    partial = args.files is not None or args.collect_only
+    if args.results is None:
+        args.results = (args.work / "partial-unit-tests.json") if partial else REPO / "docs/compat/upstream-unit-tests.json"
+    if args.doc is None:
+        args.doc = args.results.with_suffix(".md")
     if not args.render_only and args.upstream is None:
         parser.error("--upstream is required (a DeepSpeed source checkout)")
     if args.render_only:
@@ -541,6 +617,16 @@ def main(argv=None):
     pytest_dir = install_pytest(args.work, args.pytest)
     pytest_version = args.pytest if pytest_dir else installed_pytest_version()
     today = datetime.date.today().isoformat()
+    store = new_release(upstream, shims, pytest_version, today)
+    if args.resume and args.results.exists():
+        earlier = json.loads(args.results.read_text())
+        if not same_release(earlier, store):
+            sys.exit(f"--resume: {args.results} holds a run of another commit, upstream, pytest or shims "
+                     f"({(earlier.get('release') or {}).get('ours')}); start a full run without --resume")
+        store = earlier
+    if store["release"]["ours"]["changed_files"] and not partial:
+        log(f"warning: measuring a tree with uncommitted changes to {store['release']['ours']['changed_files']}; "
+            f"the page will say so")
     collections = {rt: collect(args.work, rt, args.timeout, pytest_dir) for rt in RUNTIMES}
     selected = {}
     for record in collections["upstream"]["items"]:
@@ -549,28 +635,25 @@ def main(argv=None):
     log(f"{sum(map(len, selected.values()))} stage-3 tests in {len(selected)} files "
         f"(of {len(collections['upstream']['items'])} collected)")
 
-    store = json.loads(args.results.read_text()) if args.results.exists() else {}
-
     def save(ran):
-        update_store(store, collections, ran, upstream, today, shims, pytest_version)
+        update_store(store, collections, ran, today)
+        args.results.parent.mkdir(parents=True, exist_ok=True)
         args.results.write_text(json.dumps(store, indent=1, sort_keys=True) + "\n")
         args.doc.write_text(render(store))
 
     save({})
     if not args.collect_only:
         # Smallest files first and the store written after each one: a run cut short (the whole suite takes
-        # hours on 2 cores) still leaves every finished file in the table.
+        # hours on 2 cores) still leaves every finished file in the table, and --resume goes on from there.
         for test_file, nodeids in sorted(selected.items(), key=lambda kv: (len(kv[1]), kv[0])):
             if args.files is not None and not any(test_file.endswith(f) for f in args.files):
                 continue
-            earlier = (store.get("files", {}).get(test_file) or {}).get("run") or {}
-            if args.resume and (earlier.get("on"), earlier.get("pytest"), earlier.get("shims")) == (
-                    today, pytest_version, shims):
+            if args.resume and (store["files"].get(test_file) or {}).get("run"):
                 continue
             wait_while_paused(args.work)
             save({test_file: {rt: run_file(args.work, test_file, nodeids, rt, args.timeout, pytest_dir)
                               for rt in RUNTIMES}})
-    log(f"wrote {args.results.relative_to(REPO)} and {args.doc.relative_to(REPO)}")
+    log(f"wrote {args.results} and {args.doc}")
     unexplained = [d for e in store["files"].values() for d in (e.get("run") or {}).get("differences", [])
                    if not d["category"]]
     return 1 if unexplained else 0

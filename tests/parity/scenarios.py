@@ -37,6 +37,7 @@ import deepspeed.runtime.zero.partitioned_param_coordinator as partitioned_param
 from deepspeed_zero3.testing.engines import (batch, inference_engine, mse_loss, token_batch, train_step,
                                              training_engine, zero3_config)
 from deepspeed_zero3.testing.models import LeafBranches, ReadsAhead, ResidualMLPBlock, TinyGPT, model_b
+from scenarios_differences import single_linear_root_memory_efficient, z3_leaf_root_no_grad_inputs
 from scenarios_firstpass import capped_default_reuse
 from scenarios_generation import (generate_default_keys, generate_half_cap, generate_then_load_checkpoint,
                                   generate_then_modify_in_gathered_parameters, generate_then_offload_states,
@@ -461,6 +462,8 @@ SCENARIOS = {
         generate_then_offload_states,
         generate_then_rebuild_engine,
         generate_with_a_second_engine_stepping,
+        z3_leaf_root_no_grad_inputs,
+        single_linear_root_memory_efficient,
         nvme_param_offload,
         compile_eager_mlp,
         compile_eager_mlp_default_buckets,

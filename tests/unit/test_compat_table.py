@@ -1,0 +1,58 @@
+"""tools/upstream_compat.py's table: one release per page ([Note: a release of the compat table])."""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent / "tools"))
+
+import upstream_compat  # noqa: E402
+
+
+def store():
+    release = {"release": {"ours": {"commit": "abc123def456", "changed_files": []},
+                           "upstream": {"commit": "edaa722", "version_txt": "0.19.6"}, "pytest": "8.3.5",
+                           "shims": ["ddp_cpu_device_ids"], "started": "2026-12-02",
+                           "machine": {"accelerator_dtypes": ["float32", "bfloat16"], "fp16": False, "cpu_flags": []}},
+               "files": {}}
+    collections = {rt: {"items": [{"nodeid": "unit/a/test_x.py::test_one", "stage3": True},
+                                  {"nodeid": "unit/a/test_x.py::test_two", "stage3": True},
+                                  {"nodeid": "unit/a/test_y.py::test_three", "stage3": True}],
+                        "errors": [], "skipped_modules": [{"nodeid": "unit/a/test_fp16.py",
+                                                           "reason": "fp16 is not supported on this accelerator"}]}
+                   for rt in upstream_compat.RUNTIMES}
+    ran = {"unit/a/test_x.py": {
+        "upstream": {"unit/a/test_x.py::test_one": ("P", ""), "unit/a/test_x.py::test_two": ("P", "")},
+        "ours": {"unit/a/test_x.py::test_one": ("P", ""),
+                 "unit/a/test_x.py::test_two": ("NR", "did not report (timed out; log compat-out/logs/x.ours.log)")},
+    }}
+    upstream_compat.update_store(release, collections, ran, "2026-12-02")
+    return release
+
+
+def test_the_page_names_its_commit_pytest_and_fp16_support():
+    page = upstream_compat.render(store())
+    assert "One full run of deepspeed-zero3 commit `abc123def456` (a clean tree)" in page
+    assert "Every file ran under pytest 8.3.5" in page
+    assert "This CPU's fp16 support: no (DeepSpeed's CPU accelerator reports float32, bfloat16" in page
+    assert "/work/" not in page  # no path outside this repository
+
+
+def test_a_test_that_did_not_report_is_counted_not_run_with_why():
+    page = upstream_compat.render(store())
+    assert "| a/test_x.py | 2 | 2 | 2 | 2 / 0 / 0 / 0 / 0 | 1 / 0 / 0 / 0 / 1 |" in page
+    assert "* `a/test_x.py` under ours: did not report (timed out" in page
+    assert "| a/test_y.py | 1 | 1 | not run in this release |  |  |" in page
+    assert "* `a/test_x.py::test_two`: upstream P, ours NR; **not on purpose: a bug to fix**" in page
+
+
+def test_modules_skipped_at_collection_are_not_applicable_here():
+    page = upstream_compat.render(store())
+    assert "* `a/test_fp16.py`: fp16 is not supported on this accelerator" in page
+
+
+def test_resume_needs_the_same_commit_pytest_and_shims():
+    old = store()
+    fresh = {"release": dict(old["release"])}
+    assert upstream_compat.same_release(old, fresh)
+    fresh["release"]["ours"] = {"commit": "fedcba987654", "changed_files": []}
+    assert not upstream_compat.same_release(old, fresh)
