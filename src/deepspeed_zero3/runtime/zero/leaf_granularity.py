@@ -40,10 +40,8 @@ import torch
 from torch.nn import Module, Parameter
 
 from deepspeed.accelerator import get_accelerator
-from deepspeed.runtime.zero.partition_parameters import AllGatherCoalescedHandle
 from deepspeed.utils import logger, set_z3_leaf_module, z3_leaf_module
 
-from deepspeed_zero3.runtime.zero.gather import MAX_QUEUED_FETCH_EVENTS
 from deepspeed_zero3.runtime.zero.settings import validate_numel
 
 # Upstream's bound on a leaf's subtree numel (a float there too: compared with ints).
@@ -146,33 +144,14 @@ def check_granularity_threshold(value) -> int:
 
 
 class FastLeafSharding:
-    """Upstream's ``fast_sharding_for_leaf_module`` waits and releases ([Note: fast sharding for leaf modules])."""
+    """Upstream's ``fast_sharding_for_leaf_module`` releases ([Note: fast sharding for leaf modules]); its waits are
+    ``Gatherer.wait(params, fast_leaf=True)``."""
 
     def __init__(self, enabled: bool):
         self.enabled = bool(enabled)
 
     def applies_to(self, module: Module) -> bool:
         return self.enabled and z3_leaf_module(module)
-
-    @staticmethod
-    def wait(gatherer, params: List[Parameter]) -> None:
-        """``Gatherer.wait`` without the compute-stream dependency and back-pressure event; frees the buffers."""
-        accelerator = get_accelerator()
-        waited = False
-        for param in params:
-            handle = gatherer.inflight.pop(param, None)
-            if handle is None:
-                continue
-            waited = True
-            with accelerator.stream(gatherer.allgather_stream):
-                while gatherer.queued_events and gatherer.queued_events[0].query():
-                    gatherer.queued_events.popleft()
-                if len(gatherer.queued_events) > MAX_QUEUED_FETCH_EVENTS:
-                    gatherer.queued_events.popleft().synchronize()
-                handle.wait(handle_dependency=False)
-        if waited and not accelerator.resolves_data_dependency():
-            accelerator.current_stream().wait_stream(gatherer.allgather_stream)
-        AllGatherCoalescedHandle.free_buffer()
 
     @staticmethod
     def releaser():
