@@ -23,9 +23,9 @@ those pytest processes; see ``is_stage3`` for the rule.
 
 Usage (from the repository root; the whole suite takes about an hour per runtime on 2 cores):
 
-    python tools/upstream_compat.py --upstream /work/upstream-ds                  # everything
-    python tools/upstream_compat.py --upstream /work/upstream-ds --collect-only   # counts only
-    python tools/upstream_compat.py --upstream /work/upstream-ds --files test_z3_eager_fallback.py
+    python tools/upstream_compat.py --upstream <checkout>                  # a release: every file
+    python tools/upstream_compat.py --upstream <checkout> --collect-only   # counts only
+    python tools/upstream_compat.py --upstream <checkout> --files test_z3_eager_fallback.py   # a partial run
 """
 
 import argparse

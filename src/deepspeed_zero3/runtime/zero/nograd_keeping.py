@@ -3,20 +3,18 @@
 [Note: keeping across no-grad passes]
 Each generated token is a no-grad forward over the same modules in the same order; released at
 its end, every parameter is gathered again for the next token.
-* Rule: an eval forward replaying a trace keeps gathered, for the next eval forward (which
-  replays the same trace), the parameters of the trace's start, walked in order while each one's
-  reuse distance (numel fetched from its last use in this pass to its first use in the next) is
-  under ``stage3_max_reuse_distance`` and the kept numel fits in ``stage3_max_live_parameters``.
-  The rest is gathered each pass, prefetched within the room the cap leaves, else module by
-  module as it runs. No window is reserved: the kept prefix stays gathered through the whole next
-  pass, so every numel held back for a window would be gathered again every token.
-* At the defaults the whole model stays gathered: a generate() call gathers it once. Under a cap
-  C the kept prefix is the budget and the peak stays under C + the module in use; at reuse 0
-  nothing is kept.
-* What is carried survives the start of the next forward, eval or training (which uses it
-  instead of gathering it again); the end of any other pass releases it, and so does
-  ``reset_step`` (every optimizer step, checkpoint load and ``offload_states`` go through it).
-  ``GatheredParameters`` partitions what it gathered at its exit: no stale copy survives it.
+* Rule: an eval forward replaying a trace keeps gathered, for the next one (which replays the
+  same trace), the trace's first parameters, walked in order while each one's reuse distance
+  (numel fetched from its last use here to its first use next) is under
+  ``stage3_max_reuse_distance`` and the kept numel fits in ``stage3_max_live_parameters``. The
+  rest is gathered each pass, prefetched within the room the cap leaves, else module by module.
+  No window is reserved: the kept prefix stays gathered through the whole next pass, so any
+  numel held back for a window would be gathered again every token.
+* So at the defaults a generate() call gathers the model once; under a cap C the peak stays
+  under C + the module in use; at reuse 0 nothing is kept.
+* The carry survives the start of the next forward, eval or training (which uses it); the end of
+  any other pass and ``reset_step`` (every optimizer step, checkpoint load, ``offload_states``)
+  release it. ``GatheredParameters`` partitions what it gathered at its exit: nothing goes stale.
 """
 
 from typing import FrozenSet, Iterable, Tuple

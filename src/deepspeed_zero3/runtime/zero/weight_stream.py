@@ -3,21 +3,17 @@
 [Note: streaming weights]
 A weight sync gathers every parameter once, in order, on every rank. One collective per
 tensor, and nothing in flight while the consumer works, are what make it slow.
-* Rule: the stream's units (a parameter, or the parameters one merged output needs) are cut
-  into buckets of at most ``bucket_numel`` numel still to gather (a larger unit alone). When
-  the consumer starts on bucket i, bucket i+1's all-gather is already issued; bucket i is
-  released when the consumer moves past it. Two buckets are live together only while they
-  fit in 2 x bucket + the largest unit, so the peak the stream gathers stays under that.
-* A parameter already gathered (persistent, kept by the runtime, inside the caller's
-  ``GatheredParameters``) is yielded as it is and never released by the stream.
-* The stream is the runtime's own gather path (``Gatherer``: the all-gather stream and its
-  back-pressure), but its parameters are not the coordinator's ``live`` ones: a pass never
-  releases them, and the stream refuses to start while a pass runs.
-* NVMe partitions are read by the gather into the swapper's buffers: a bucket reads at most
-  ``buffer_count`` of them, and is issued ahead only while that many buffers are free.
-* Leaving early (``break``, an exception in the consumer, ``close()``) completes what is in
-  flight and releases everything the stream gathered. Every rank must iterate alike: each
-  bucket is a collective, as each ``GatheredParameters`` is.
+* Rule: units (a parameter, or what one merged output needs) are cut into buckets of at most
+  ``bucket_numel`` numel to gather (a larger unit alone; on NVMe, at most ``buffer_count``
+  partitions read). Bucket i+1's all-gather is issued before the consumer gets bucket i, while
+  both fit in 2 x bucket + the largest unit (and the swap buffers are free); bucket i is
+  released when the consumer moves past it. So the stream's peak stays under that bound.
+* A parameter already gathered (persistent, kept, inside the caller's ``GatheredParameters``)
+  is yielded as it is and never released by the stream.
+* It uses the runtime's gather path (the all-gather stream, its back-pressure), but its
+  parameters are not the coordinator's ``live`` ones: no pass releases them, and the stream
+  refuses to start while a pass runs. Leaving early completes what is in flight and releases
+  all it gathered. Every rank must iterate alike: each bucket is a collective.
 """
 
 from dataclasses import dataclass, field
