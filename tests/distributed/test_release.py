@@ -26,8 +26,20 @@ def twin_params(**init_kwargs):
     return list(a.parameters()), list(b.parameters())
 
 
+@pytest.fixture
+def restore_hpz_group():
+    """zero.Init with zero_hpz_partition_size makes a process-wide hpZ group that every later engine picks up
+    (the engine reads it whatever its own config): an NVMe-offloaded engine in a later test would then make hpZ
+    secondary partitions on the device "nvme". Put back what was there before."""
+    from deepspeed.utils import groups
+
+    before = groups._ZERO_PARAM_INTRA_PARALLEL_GROUP
+    yield
+    groups._ZERO_PARAM_INTRA_PARALLEL_GROUP = before
+
+
 @pytest.mark.parametrize("hpz", [False, True])
-def test_release_leaves_what_partition_leaves(hpz):
+def test_release_leaves_what_partition_leaves(hpz, restore_hpz_group):
     kwargs = {"config_dict_or_path": {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {
         "stage": 3, "zero_hpz_partition_size": torch.distributed.get_world_size()}}} if hpz else {}
     ours, theirs = twin_params(**kwargs)
