@@ -3,10 +3,13 @@
 peft's ``merge_and_unload()`` under ZeRO-3 needs the whole model gathered. Here each LoRA layer is one stream unit:
 its base layer's and adapters' parameters are gathered together, and the merged weight is a new tensor computed
 with peft's own ``get_delta_weight`` the way peft's merge adds it (``weight += delta`` per active adapter, then the
-LoRA bias), so it is bitwise what ``merge_and_unload()`` gives on the gathered model; the model is not changed.
+LoRA bias; an embedding's delta cast to its dtype first), so it is bitwise what ``merge_and_unload()`` gives on the
+gathered model; the model is not changed.
 Names are those of ``merge_and_unload()``'s result: the base model's, without ``base_layer``, without adapters, and a
-``modules_to_save`` copy under its original module's name. Adapter variants (DoRA and other ``lora_variant``) are
-refused: their merge is not a sum of deltas.
+``modules_to_save`` copy under its original module's name. Covered: ``lora.Linear``, ``lora.Embedding`` and
+``modules_to_save``; refused with a clear error: other peft layers (convolutions, MultiheadAttention, trainable
+tokens), adapter variants (DoRA: their merge is not a sum of deltas) and a LoRA base weight tied to one streamed
+earlier (its merge changes both names).
 """
 
 from typing import List, Optional
@@ -32,22 +35,47 @@ def _base_model(model: Module) -> Module:
                      f"LoraModel), or the engine over one; got {type(model).__name__}")
 
 
-def _merge_unit(prefix: str, layer) -> StreamUnit:
-    adapters = [a for a in layer.active_adapters if a in layer.lora_A and a not in layer.merged_adapters]
+def _merge_unit(prefix: str, layer, seen: set) -> StreamUnit:
+    """One LoRA layer: its base weights with its active adapters added the way peft's (unsafe) merge adds them."""
+    from peft.tuners.lora import layer as lora
+
+    kind = type(layer)
+    if kind is lora.Embedding:
+        adapter_keys = layer.lora_embedding_A  # peft keeps an embedding's adapters there, not in lora_A
+    elif kind is lora.Linear:
+        adapter_keys = layer.lora_A
+    else:
+        raise ValueError(f"iter_gathered_parameters(merge_adapters=True): LoRA layer {prefix.rstrip('.')!r} is a "
+                         f"{kind.__name__}; merging is supported for lora.Linear and lora.Embedding. Stream it "
+                         f"without merge_adapters, or merge it with peft on a gathered model")
+    adapters = [a for a in layer.active_adapters if a in adapter_keys and a not in layer.merged_adapters]
     variants = [a for a in adapters if a in getattr(layer, "lora_variant", {})]
     if variants:
-        raise ValueError(f"iter_gathered_parameters(merge_adapters=True): LoRA layer {prefix!r} uses an adapter "
-                         f"variant for {variants} (DoRA or similar), whose merge is not a sum of deltas; stream it "
-                         f"without merge_adapters, or merge it with peft on a gathered model")
+        raise ValueError(f"iter_gathered_parameters(merge_adapters=True): LoRA layer {prefix.rstrip('.')!r} uses an "
+                         f"adapter variant for {variants} (DoRA or similar), whose merge is not a sum of deltas; "
+                         f"stream it without merge_adapters, or merge it with peft on a gathered model")
     base = layer.get_base_layer()
     own = list(base.named_parameters(recurse=False))
+    shared = [name for name, param in own if id(param) in seen]
+    if shared:
+        raise ValueError(f"iter_gathered_parameters(merge_adapters=True): the base {shared} of LoRA layer "
+                         f"{prefix.rstrip('.')!r} is tied to a parameter streamed before it; merge_and_unload() "
+                         f"would change both names, which a layer-by-layer merge cannot. Untie it, or stream without "
+                         f"merge_adapters")
+    seen.update(id(param) for _, param in own)
+    biased = [a for a in adapters if kind is lora.Linear and layer.lora_bias[a]]
+    if biased and getattr(base, "bias", None) is None:
+        raise RuntimeError("Impossible to merge LoRA with `lora_bias=True` because the base layer has no bias.")
 
     @torch.no_grad()
     def produce():
         merged = {name: param.detach().clone() for name, param in own}
         for adapter in adapters:
+            if kind is lora.Embedding:
+                merged["weight"] += layer.get_delta_weight(adapter).to(merged["weight"].dtype)
+                continue
             merged["weight"] += layer.get_delta_weight(adapter)
-            if layer.lora_bias[adapter]:
+            if adapter in biased:
                 merged["bias"] += layer.lora_B[adapter].bias * layer.scaling[adapter]
         return [(f"{prefix}{name}", tensor) for name, tensor in merged.items()]
 
@@ -57,7 +85,9 @@ def _merge_unit(prefix: str, layer) -> StreamUnit:
 
 def merged_units(model: Module) -> List[StreamUnit]:
     from peft.tuners.lora import LoraLayer
+    from peft.tuners.tuners_utils import BaseTunerLayer
     from peft.utils import ModulesToSaveWrapper
+    from peft.utils.other import AuxiliaryTrainingWrapper
 
     base = _base_model(model)
     units: List[StreamUnit] = []
@@ -68,13 +98,17 @@ def merged_units(model: Module) -> List[StreamUnit]:
         nonlocal found_lora
         if isinstance(module, LoraLayer):
             found_lora = True
-            units.append(_merge_unit(prefix, module))
+            units.append(_merge_unit(prefix, module, seen))
             return
         if isinstance(module, ModulesToSaveWrapper):
             active = module.active_adapters[0] if module.active_adapters else None
             replacement = module.modules_to_save[active] if active in module.modules_to_save else module.original_module
             walk(replacement, prefix)
             return
+        if isinstance(module, (BaseTunerLayer, AuxiliaryTrainingWrapper)):
+            raise ValueError(f"iter_gathered_parameters(merge_adapters=True): {prefix.rstrip('.') or 'the model'} is a "
+                             f"peft {type(module).__name__}, which this merge does not cover (lora.Linear, "
+                             f"lora.Embedding and modules_to_save are); stream without merge_adapters")
         for name, param in module.named_parameters(recurse=False):
             if id(param) in seen:
                 continue  # a tied parameter: once, under its first name, as named_parameters() gives it

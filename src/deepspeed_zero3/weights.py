@@ -7,6 +7,10 @@
 The stream ([Note: streaming weights] in ``runtime/zero/weight_stream.py``) also offers ``metadata()`` (names,
 dtypes, shapes, gathering nothing), ``groups()`` and ``iter_groups()`` (one ``(names, tensors)`` per bucket),
 ``stats`` and ``close()``; it is a context manager.
+
+Every rank iterates, each bucket being a collective. A consumer that works on rank 0 only must not raise there
+alone: the other ranks would wait in the next bucket's all-gather until the process-group timeout. Catch on
+rank 0 and agree on stopping (or let every rank raise together).
 """
 
 import difflib

@@ -208,3 +208,58 @@ def test_nvme_parameter_offload_within_the_swap_buffers():
         torch.distributed.barrier()
         if rank == 0:
             shutil.rmtree(swap_dir[0], ignore_errors=True)
+
+
+def test_after_eval_forwards_kept_parameters_are_yielded_and_left_kept():
+    """Between eval forwards the whole model stays gathered ([Note: keeping across no-grad passes]): a stream then
+    gathers nothing and leaves every parameter as it found it, and the next eval forward gathers nothing either."""
+    rank = torch.distributed.get_rank()
+    torch.manual_seed(0)
+    model = model_b()
+    engine = training_engine(model, zero3_config(bucket=BUCKET, reuse=10**9))
+    train_step(engine, batch(0, rank))
+    with torch.no_grad():
+        engine(batch(1, rank))
+    stream = deepspeed_zero3.iter_gathered_parameters(engine)
+    got = [tensor.clone() for _, tensor in stream]
+    assert stream.stats.allgather_calls == 0
+    assert all(p.ds_status == ZeroParamStatus.AVAILABLE for p in model.parameters())
+    with torch.no_grad():
+        engine(batch(2, rank))
+    assert deepspeed_zero3.get_zero3_stats(engine)["passes"][-1]["allgather_numel"] == 0
+    engine.empty_partition_cache()  # releases the carry
+    assert all(torch.equal(t, e) for t, e in zip(got, gathered_copies(model.parameters()), strict=True))
+    engine.destroy()
+
+
+class StreamsInItsForward(torch.nn.Module):
+    """A model whose forward starts a weight stream: refused, a pass is running."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = model_b()
+
+    def forward(self, x):
+        list(deepspeed_zero3.iter_gathered_parameters(self.inner))
+        return self.inner(x)
+
+
+def test_a_stream_is_refused_inside_a_pass_and_a_forward_inside_a_stream_leaves_it_whole():
+    rank = torch.distributed.get_rank()
+    torch.manual_seed(0)
+    model = StreamsInItsForward()
+    engine = engine_over(model)
+    with pytest.raises(RuntimeError, match="iter_gathered_parameters: a forward pass is running"):
+        engine(batch(0, rank))
+    model.forward = lambda x: model.inner(x)  # no stream in the forward from here on
+    expected = gathered_copies(model.parameters())
+    got = []
+    for index, (_, tensor) in enumerate(deepspeed_zero3.iter_gathered_parameters(engine)):
+        got.append(tensor.clone())
+        if index == 3:  # the consumer runs the model between two buckets, on every rank
+            with torch.no_grad():
+                engine(batch(1, rank))
+    assert all(torch.equal(t, e) for t, e in zip(got, expected, strict=True))
+    assert nothing_gathered(model)
+    train_step(engine, batch(2, rank))
+    engine.destroy()

@@ -174,6 +174,21 @@ def generate_interleaved(events):
     return engine
 
 
+def make_merge_llama():
+    """LoRA on q_proj, v_proj and the token embedding (a lora.Embedding), lm_head in modules_to_save, and a second
+    adapter with a LoRA bias on q_proj (the attention has biases here), both active: every merge path."""
+    from peft import LoraConfig, get_peft_model
+
+    base = make_llama(attention_bias=True)
+    torch.manual_seed(7)
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, modules_to_save=["lm_head"],
+                                            target_modules=["q_proj", "v_proj", "embed_tokens"]))
+    model.add_adapter("second", LoraConfig(r=2, lora_alpha=4, lora_dropout=0.0, target_modules=["q_proj"],
+                                           lora_bias=True))
+    model.base_model.set_adapter(["default", "second"])
+    return model
+
+
 def lora_merge_stream(events):
     """Two LoRA training steps, then the merged weights streamed out one layer at a time
     (``iter_gathered_parameters(engine, merge_adapters=True)``), against peft's own ``merge_and_unload()`` on a
@@ -181,7 +196,7 @@ def lora_merge_stream(events):
     import deepspeed
     import deepspeed_zero3
 
-    accelerator, engine, optimizer = prepare(make_lora_llama(eval_base=False))
+    accelerator, engine, optimizer = prepare(make_merge_llama())
     for step in range(2):
         ids = train_batch(rank(), step)
         train_step(accelerator, optimizer, engine(input_ids=ids, labels=ids).loss)
@@ -200,7 +215,7 @@ def lora_merge_stream(events):
     available_after = [name for name, p in named if p.ds_status.name != "NOT_AVAILABLE"]
     after = full_copies()
 
-    plain = make_lora_llama(eval_base=False)  # no ZeRO: peft merges it as it merges any model
+    plain = make_merge_llama()  # no ZeRO: peft merges it as it merges any model
     plain.load_state_dict(before)
     reference = plain.merge_and_unload()
     expected = dict(reference.named_parameters())

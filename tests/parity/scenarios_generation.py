@@ -176,3 +176,26 @@ def generate_with_a_second_engine_stepping(run, args):
         _train(run, engine, step)
     _generate(run, model, 3)
     run.hash_params(model)
+
+
+def eval_then_load_weights_into_an_inference_engine(run, args):
+    """An inference engine keeps the model gathered between eval forwards (ours); upstream's loader
+    (``load_module_state_dict(fetch_z3_params=True)``, as ``load_checkpoint(load_optimizer_states=False)`` calls it)
+    gathers only partitioned parameters, then more eval forwards, the parameters released and used again."""
+    from deepspeed_zero3.testing.engines import batch, inference_engine
+    from deepspeed_zero3.testing.models import model_b
+
+    torch.manual_seed(39)
+    loaded = {name: value * 0.5 for name, value in model_b().state_dict().items()}
+    torch.manual_seed(40)
+    model = model_b()
+    engine = run.engine(inference_engine(model, zero3_config(**DEFAULT_KEYS)))
+    with torch.no_grad():
+        for step in range(3):
+            run.loss(engine(batch(step, _rank())).square().mean().item())
+        engine.load_module_state_dict({"module": loaded}, fetch_z3_params=True)
+        for step in range(3, 5):
+            run.loss(engine(batch(step, _rank())).square().mean().item())
+        engine.empty_partition_cache()
+        run.loss(engine(batch(5, _rank())).square().mean().item())
+    run.hash_params(model)

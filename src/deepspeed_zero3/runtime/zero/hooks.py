@@ -174,6 +174,11 @@ class HookRouter:
         return apply_to_tensors_only(wrap, output, warning_msg_fn=_unexpected_type_warning)
 
     @eager_only
+    def after_state_load(self, module, incompatible_keys):
+        """``load_state_dict`` on a root ended: what it wrote into kept parameters becomes their partition."""
+        self.coordinator.after_state_load()
+
+    @eager_only
     def pre_backward(self, module):
         self.coordinator.fetch_sub_module(module, forward=False)
 

@@ -13,8 +13,10 @@ its end, every parameter is gathered again for the next token.
 * So at the defaults a generate() call gathers the model once; under a cap C the peak stays
   under C + the module in use; at reuse 0 nothing is kept.
 * The carry survives the start of the next forward, eval or training (which uses it); the end of
-  any other pass and ``reset_step`` (every optimizer step, checkpoint load, ``offload_states``)
-  release it. ``GatheredParameters`` partitions what it gathered at its exit: nothing goes stale.
+  any other non-silent pass and ``reset_step`` (optimizer step, checkpoint load, ``offload_states``)
+  release it. ``GatheredParameters`` partitions every parameter of its list at its exit, and a
+  ``load_state_dict`` post-hook makes what a loader wrote into a kept parameter its partition
+  (upstream's loaders gather only partitioned ones): no stale copy survives either.
 """
 
 from typing import FrozenSet, Iterable, Tuple

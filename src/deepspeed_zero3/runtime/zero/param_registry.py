@@ -53,6 +53,9 @@ class ParamStateRegistry:
         # Weak keys: a wrapper module dropped with its engine (Lightning's pattern) must not be kept alive here.
         self.module_hooks: Dict[Module, ModuleHooks] = weakref.WeakKeyDictionary()
         self.root_hooks: Dict[Module, Tuple[RemovableHandle, ...]] = weakref.WeakKeyDictionary()
+        # Per root, a load_state_dict post-hook ([Note: keeping across no-grad passes]): not a forward hook, so not
+        # in upstream's hook lists that clients empty and count.
+        self.load_hooks: Dict[Module, RemovableHandle] = weakref.WeakKeyDictionary()
         # (weak owner, its prefetch settings), in joining order.
         self.owners: List = []
         coordinator.prediction.managed_modules = self.managed_modules  # [Note: first-pass prediction]
@@ -87,6 +90,9 @@ class ParamStateRegistry:
             for handle in handles:
                 handle.remove()
             self.root_hooks[root] = self.router.install_root_hooks(root)
+        load_hook = self.load_hooks.get(root)
+        if load_hook is None or not handle_is_live(load_hook):
+            self.load_hooks[root] = root.register_load_state_dict_post_hook(self.router.after_state_load)
 
     def managed_modules(self) -> List[Module]:
         return list(self.module_hooks)
@@ -150,6 +156,9 @@ class ParamStateRegistry:
         finally:
             modules = list(self.module_hooks) + list(self.root_hooks)
             self.remove_all_hooks()
+            for handle in list(self.load_hooks.values()):
+                handle.remove()
+            self.load_hooks.clear()
             for module in modules:
                 if module.__dict__.get(REGISTRY_ATTR) is self:
                     del module.__dict__[REGISTRY_ATTR]

@@ -13,7 +13,8 @@ What differs from upstream, in one place:
 * Traces are cached per pass kind and selected by what runs ([Note: trace selection]);
   a kind with no trace yet replays a guess ([Note: first-pass prediction]).
 * Gathered memory is bounded by the config ([Note: the prefetch window]); a forward keeps
-  the backward's first parameters within the cap less one bucket ([Note: budgeted keeping]).
+  the backward's first parameters within the cap less one bucket ([Note: budgeted keeping]),
+  an eval forward the next eval forward's within the cap ([Note: keeping across no-grad passes]).
 * One coordinator per managed module tree, shared by every engine over it (``param_registry.py``).
 * Counters for tests and benchmarks (``stats.py``).
 * Upstream's module-level names are re-exported from ``upstream_names.py``
@@ -182,7 +183,7 @@ class PartitionedParameterCoordinator:
             running = self.running
             if running is None or running.is_backward:
                 return
-            if not aborted and running.stats.allgather_calls == 0 and running.released == 0:
+            if not aborted and running.gathered == 0 and running.released == 0:
                 # [Note: silent passes] A forward that gathered nothing and released nothing found every
                 # parameter gathered and left it so: inside GatheredParameters over the model (whose parameters
                 # are never released under it), all persistent, or all kept from the last eval forward. The
@@ -428,6 +429,8 @@ class PartitionedParameterCoordinator:
     def _gather(self, params: Iterable[Parameter], prefetch: bool) -> None:
         for group in self.gatherer.submit(params):
             self.stats.on_allgather(sum(p.ds_numel for p in group), prefetch=prefetch)
+            if self.running is not None:
+                self.running.gathered += 1
             for param in group:
                 if not param.ds_persist and param not in self.live:
                     self.live[param] = None
@@ -521,6 +524,22 @@ class PartitionedParameterCoordinator:
                     continue
                 param.ds_active_sub_modules.clear()
                 self._release(param)
+
+    @torch.no_grad()
+    def after_state_load(self) -> None:
+        """A ``load_state_dict`` over the model ended. A parameter kept gathered between passes was not gathered by
+        the loader (upstream's loaders gather only NOT_AVAILABLE ones), so the load wrote into its full copy only:
+        partition that copy (the loaded values) and release it, or the next release would drop the load
+        ([Note: keeping across no-grad passes]). No collective: each rank partitions its own copy."""
+        with self.lock:
+            if self.running is not None:
+                return  # a load inside a forward is the forward's business
+            for param in list(self.kept):
+                if (param.ds_status == ZeroParamStatus.AVAILABLE and not param.ds_active_sub_modules
+                        and not held_by_gathered_parameters(param)):
+                    param.partition(has_been_updated=True)
+                self._forget(param)
+            self.nograd_keeping.drop()
 
     # ------------------------------------------------------------------ upstream entry points
 

@@ -11,8 +11,9 @@ and its counters. The coordinator creates it in ``_begin_pass`` and drops it in
 ``_end_pass``, nowhere else, so a pass's state cannot leak into the next one and
 no field needs clearing by hand. ``running is None`` is the idle state.
 State that outlives a pass is the coordinator's: what is gathered (``live``,
-``kept``) and the traces, and the link from a forward to its backward
-(``BackwardKeeping``).
+``kept``), the traces, the link from a forward to its backward
+(``BackwardKeeping``) and what an eval forward carried for the next forward
+(``NoGradKeeping``).
 """
 
 from typing import Dict, Optional, Tuple
@@ -39,7 +40,9 @@ class RunningPass:
         self.fetched_from: Dict[int, Tuple[Parameter, ...]] = {}
         # Backward passes: modules fetched whose post-backward hook has not fired yet.
         self.active_backward: Dict[int, Module] = {}
-        # Parameters this pass released: with no all-gather either, the pass changed nothing ([Note: silent passes]).
+        # All-gathers this pass issued and parameters it released: with neither, the pass changed nothing ([Note:
+        # silent passes]). Its own counts, not the stats', which a user may reset in the middle of a pass.
+        self.gathered = 0
         self.released = 0
         # Backward passes: set when the autograd graph task that began the pass completed. A graph task that
         # raised never sets it: that is how a backward cut short by an exception is told from a finished one.

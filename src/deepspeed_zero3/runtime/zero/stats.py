@@ -117,8 +117,9 @@ class ZeroStats:
         self.totals.clear()
         self.outside_pass = PassStats(kind="outside_pass", index=-1)
         if self.current is not None:
-            self.current = PassStats(kind=self.current.kind, index=self.current.index)
-            self.current.peak_live_numel = self.live_numel
+            # In place: the running pass holds this object and goes on counting into it.
+            fresh = PassStats(kind=self.current.kind, index=self.current.index, peak_live_numel=self.live_numel)
+            vars(self.current).update(vars(fresh))
 
     def last(self, kind: str) -> Optional[PassStats]:
         for stats in reversed(self.history):

@@ -11,8 +11,8 @@ tensor, and nothing in flight while the consumer works, are what make it slow.
 * A parameter already gathered (persistent, kept, inside the caller's ``GatheredParameters``)
   is yielded as it is and never released by the stream.
 * It uses the runtime's gather path (the all-gather stream, its back-pressure), but its
-  parameters are not the coordinator's ``live`` ones: no pass releases them, and the stream
-  refuses to start while a pass runs. Leaving early completes what is in flight and releases
+  parameters are not the coordinator's ``live`` ones: it marks them held as ``GatheredParameters``
+  does, so no pass releases them, and it refuses to start while a pass runs. Leaving early completes what is in flight and releases
   all it gathered. Every rank must iterate alike: each bucket is a collective.
 """
 
@@ -22,7 +22,7 @@ from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 import torch
 from torch.nn import Parameter
 
-from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+from deepspeed.runtime.zero.partition_parameters import DS_Z3_GATHERED_PARAM_CONTEXT_DEPTH_ATTR, ZeroParamStatus
 
 from deepspeed_zero3.runtime.zero.gather import held_by_gathered_parameters
 from deepspeed_zero3.runtime.zero.nvme_swap import blocks_gather, on_nvme
@@ -67,6 +67,17 @@ class _Bucket:
     @property
     def pending_numel(self) -> int:
         return sum(p.ds_numel for u in self.units for p in u.params if p.ds_status == ZeroParamStatus.NOT_AVAILABLE)
+
+
+def _hold(param: Parameter, delta: int) -> None:
+    """Mark ``param`` as held by an open gather context while the stream holds it, as ``GatheredParameters``
+    marks its own: a forward the consumer runs meanwhile then neither releases nor keeps it, and a
+    ``GatheredParameters`` over it is refused by upstream as an overlap."""
+    depth = getattr(param, DS_Z3_GATHERED_PARAM_CONTEXT_DEPTH_ATTR, 0) + delta
+    if depth > 0:
+        setattr(param, DS_Z3_GATHERED_PARAM_CONTEXT_DEPTH_ATTR, depth)
+    elif hasattr(param, DS_Z3_GATHERED_PARAM_CONTEXT_DEPTH_ATTR):
+        delattr(param, DS_Z3_GATHERED_PARAM_CONTEXT_DEPTH_ATTR)
 
 
 def _swap_reads(params) -> List[Parameter]:
@@ -187,12 +198,12 @@ class WeightStream:
                 self._wait(bucket, check=True)
                 pairs = [pair for unit in bucket.units for pair in unit.produce()]
                 yield bucket, pairs
-                self._release(bucket)
+                self._release(bucket, buckets[index + 1:])
         finally:
             for bucket in buckets:
                 if bucket.issued:
                     self._wait(bucket, check=False)
-                    self._release(bucket)
+                    self._release(bucket, ())
 
     # ---------------------------------------------------------------- gathering
 
@@ -206,13 +217,15 @@ class WeightStream:
         if bucket.issued:
             return
         bucket.issued = True
-        params = [p for u in bucket.units for p in u.params]
+        params = list(dict.fromkeys(p for u in bucket.units for p in u.params))  # a shared parameter once
         with self.coordinator.lock:
             for group in self.coordinator.gatherer.submit(params):
                 numel = sum(p.ds_numel for p in group)
                 self.stats.allgather_calls += 1
                 self.stats.allgather_numel += numel
                 self.stats.gathered_numel += numel
+                for param in group:
+                    _hold(param, +1)
                 bucket.gathered.extend(group)
         self.stats.peak_gathered_numel = max(self.stats.peak_gathered_numel, self.stats.gathered_numel)
 
@@ -225,11 +238,19 @@ class WeightStream:
                 raise RuntimeError(f"deepspeed-zero3: parameter ds_id={param.ds_id} shape={tuple(param.ds_shape)} is "
                                    f"{param.ds_status.name} after the weight stream's gather; expected AVAILABLE")
 
-    def _release(self, bucket: _Bucket) -> None:
+    def _release(self, bucket: _Bucket, later: Sequence[_Bucket]) -> None:
+        """Release what ``bucket`` gathered, except what an issued bucket of ``later`` uses too (a parameter two
+        units share): that bucket found it gathered and did not gather it, so it takes it over."""
         with self.coordinator.lock:
             for param in bucket.gathered:
+                taker = next((b for b in later if b.issued and any(p is param for u in b.units for p in u.params)),
+                             None)
+                if taker is not None:
+                    taker.gathered.append(param)
+                    continue
                 self.coordinator.inflight.pop(param, None)
                 self.stats.gathered_numel -= param.ds_numel
+                _hold(param, -1)
                 if (param.ds_status == ZeroParamStatus.AVAILABLE and not param.ds_active_sub_modules
                         and not held_by_gathered_parameters(param)):
                     release_gathered(param)  # [Note: releasing a gathered parameter]
