@@ -207,9 +207,11 @@ def lora_merge_stream(events):
             return {name: p.detach().clone() for name, p in named}
 
     before = full_copies()
-    partitioned = sum(p.ds_numel for _, p in named if p.ds_status.name == "NOT_AVAILABLE")
     available_before = [name for name, p in named if p.ds_status.name != "NOT_AVAILABLE"]
     stream = deepspeed_zero3.iter_gathered_parameters(engine, merge_adapters=True)
+    # What the merged model is made of (not lm_head's original, which modules_to_save replaces), still partitioned.
+    wanted = {id(p): p for unit in stream.units for p in unit.params}
+    partitioned = sum(p.ds_numel for p in wanted.values() if p.ds_status.name == "NOT_AVAILABLE")
     metadata = [(m.name, str(m.dtype), list(m.shape)) for m in stream.metadata()]
     merged = {name: tensor.clone() for name, tensor in stream}
     available_after = [name for name, p in named if p.ds_status.name != "NOT_AVAILABLE"]

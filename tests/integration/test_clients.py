@@ -154,6 +154,6 @@ def test_merged_lora_stream_equals_peft_merge_bitwise(ours):
         assert event["names"] and event["metadata"] and event["bitwise"] and event["adapters_untouched"], event
         assert event["left_as_found"]  # gathered by the stream, released by it; the rest untouched
         stats = event["stats"]
-        assert stats["allgather_numel"] == event["partitioned_numel"]  # every partitioned parameter once
+        assert stats["allgather_numel"] == event["partitioned_numel"]  # every partitioned parameter it needs, once
         # Layer by layer, never the whole model: at most two buckets at once.
         assert stats["peak_gathered_numel"] <= 2 * event["bucket"] + event["largest_unit"] < event["model_numel"]
