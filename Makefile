@@ -15,12 +15,25 @@ DEEPSPEED_VERSION ?= $(DEFAULT_DEEPSPEED_VERSION)
 ifeq ($(filter $(DEEPSPEED_VERSION),$(SUPPORTED_DEEPSPEED_VERSIONS)),)
 $(error DEEPSPEED_VERSION=$(DEEPSPEED_VERSION) is not supported; pick one of: $(SUPPORTED_DEEPSPEED_VERSIONS))
 endif
-ifeq ($(DEEPSPEED_VERSION),$(DEFAULT_DEEPSPEED_VERSION))
-VENV ?= .venv
-else
-VENV ?= .venv-$(DEEPSPEED_VERSION)
-# The op cache is per deepspeed release: one shared between releases is rebuilt by each of them in turn.
+# torch to run on: the default venv has 2.13.0; another release gets its own venv (PyPI's Linux builds of
+# torch are CUDA builds of several GB; they run on a CPU too). TORCH_VERSIONS is the measured matrix
+# (make test-versions, docs/compat/versions.md): each minor series at its newest patch.
+DEFAULT_TORCH_VERSION := 2.13.0
+TORCH_VERSION ?= $(DEFAULT_TORCH_VERSION)
+TORCH_VERSIONS := 2.11.0 2.12.1 2.13.0 2.14.1 2.15.0
+# .venv for the defaults; else .venv-<release>, .venv-torch<version> or .venv-<release>-torch<version>.
+VENV_SUFFIX := $(if $(filter-out $(DEFAULT_DEEPSPEED_VERSION),$(DEEPSPEED_VERSION)),-$(DEEPSPEED_VERSION))$(if \
+	$(filter-out $(DEFAULT_TORCH_VERSION),$(TORCH_VERSION)),-torch$(TORCH_VERSION))
+VENV ?= .venv$(VENV_SUFFIX)
+ifneq ($(VENV_SUFFIX),)
+# The op cache is per environment: one shared between them is rebuilt by each of them in turn.
 export TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/.torch_extensions
+endif
+ifneq ($(TORCH_VERSION),$(DEFAULT_TORCH_VERSION))
+# Every pip call in that venv holds torch at the version under test: deepspeed and this package accept any
+# torch, and a site-wide pip constraint (some machines cap torch below the newest release) is replaced.
+TORCH_PIN := $(abspath $(VENV))/torch-pin.txt
+export PIP_CONSTRAINT := $(TORCH_PIN)
 endif
 BIN := $(VENV)/bin
 PORT ?= 29500
@@ -37,15 +50,16 @@ LAUNCH = $(BIN)/deepspeed --num_gpus $(NPROC) --master_port $(PORT)
 RELEASE_SHM = status=$$?; rm -f /dev/shm/deepspeed_allreduce_buffer_$$(id -u)_*_$(PORT)_*; exit $$status
 DIST_PYTEST = --no_local_rank --module pytest -q -p no:cacheprovider
 
-.PHONY: venv venv-int demo test test-smoke test-versions test-unit test-parity test-distributed test-world4 test-integration bench soak clean-locks clean \
+.PHONY: venv venv-int demo test test-smoke test-parity-smoke test-versions installed-versions test-unit test-parity test-distributed test-world4 test-integration bench soak clean-locks clean \
 	test-gpu gpu-wheels gpu-check
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
+	$(if $(TORCH_PIN),echo "torch==$(TORCH_VERSION)" > $(TORCH_PIN))
 	$(BIN)/pip install -q --upgrade pip
 
 $(VENV)/.installed: $(BIN)/python pyproject.toml setup.py $(shell find src -name '*.py' -o -name '*.pth')
-	$(BIN)/pip install -q torch==2.13.0 $(TORCH_PIP_ARGS)
+	$(BIN)/pip install -q torch==$(TORCH_VERSION) $(TORCH_PIP_ARGS)
 	$(BIN)/pip install -q deepspeed==$(DEEPSPEED_VERSION)
 	$(BIN)/pip install -q ".[test]"
 	touch $@
@@ -77,7 +91,8 @@ venv: $(VENV)/.installed $(VENV)/.ops
 INT_DIR := tests/integration
 
 $(VENV)/.installed-int: $(VENV)/.installed $(INT_DIR)/requirements.txt $(INT_DIR)/constraints.txt
-	sed 's/^deepspeed==.*/deepspeed==$(DEEPSPEED_VERSION)/' $(INT_DIR)/constraints.txt > $(VENV)/constraints.txt
+	sed -e 's/^deepspeed==.*/deepspeed==$(DEEPSPEED_VERSION)/' -e 's/^torch==.*/torch==$(TORCH_VERSION)/' \
+	  $(INT_DIR)/constraints.txt > $(VENV)/constraints.txt
 	$(BIN)/pip install -q -c $(VENV)/constraints.txt -r $(INT_DIR)/requirements.txt
 	touch $@
 
@@ -92,29 +107,42 @@ demo: venv clean-locks
 
 test: test-unit test-parity test-distributed test-world4 test-integration
 
-# A quick check of one release (CI runs it on the oldest supported one): the unit tests and one 2-rank parity
-# launch per runtime over a few scenarios.
+# A quick check of one release or torch (CI runs it on the oldest supported release and the newest torch): the
+# unit tests and one 2-rank parity launch per runtime over a few scenarios.
 SMOKE_SCENARIOS ?= plain_mlp,train_eval_alternation,zero_init,checkpoint_round_trip
-test-smoke: venv clean-locks
-	$(BIN)/python -m pytest -q tests/unit
+test-smoke: test-unit test-parity-smoke
+
+test-parity-smoke: venv clean-locks
 	ZERO3_PARITY_WORLDS=2 ZERO3_PARITY_ONLY=$(SMOKE_SCENARIOS) $(BIN)/python -m pytest -q tests/parity/test_parity.py
 
-# Unit, distributed and parity tests against each supported release, one release at a time, each in its own
-# venv (make DEEPSPEED_VERSION=...); logs in versions-out/<release>/, then the table in docs/compat/versions.md.
-# A subset reruns only those (the table keeps the others' last results): make test-versions TEST_VERSIONS=0.19.4
+# Every supported deepspeed release (torch 2.13.0): unit, distributed and parity tests; then every torch of
+# TORCH_VERSIONS (deepspeed 0.19.8): unit tests and the parity smoke. One environment at a time, each in its
+# own venv; logs in versions-out/<release>/ and versions-out/torch-<version>/, then the tables in
+# docs/compat/versions.md. A subset reruns only those (the tables keep the others' last results):
+# make test-versions TEST_VERSIONS=0.19.4 TEST_TORCH_VERSIONS=  (an empty list skips that matrix)
 TEST_VERSIONS ?= $(SUPPORTED_DEEPSPEED_VERSIONS)
+TEST_TORCH_VERSIONS ?= $(TORCH_VERSIONS)
 VERSION_SUITES ?= unit distributed parity
+TORCH_SUITES ?= unit parity-smoke
 VERSIONS_OUT ?= versions-out
+# $(call run-suites,<results folder>,<suites>,<make variables>)
+define run-suites
+for suite in $(2); do \
+  out=$(VERSIONS_OUT)/$(1); mkdir -p $$out; rm -f $$out/$$suite.*; start=$$(date +%s); \
+  echo "test-versions: $(3), $$suite (log $$out/$$suite.log)"; \
+  env -u TORCH_EXTENSIONS_DIR -u PIP_CONSTRAINT $(MAKE) --no-print-directory test-$$suite $(3) > $$out/$$suite.log 2>&1; \
+  echo $$? > $$out/$$suite.rc; echo $$(( $$(date +%s) - start )) > $$out/$$suite.seconds; \
+  tail -1 $$out/$$suite.log; \
+done; \
+env -u TORCH_EXTENSIONS_DIR -u PIP_CONSTRAINT $(MAKE) -s --no-print-directory installed-versions $(3) \
+  > $(VERSIONS_OUT)/$(1)/installed.txt 2>&1 || true
+endef
+# What a venv holds, for the versions table.
+installed-versions:
+	@$(BIN)/python -c "import sys, torch, deepspeed; print(f'python {sys.version.split()[0]}, torch {torch.__version__}, deepspeed {deepspeed.__version__}')"
 test-versions:
-	@for v in $(TEST_VERSIONS); do \
-	  for suite in $(VERSION_SUITES); do \
-	    out=$(VERSIONS_OUT)/$$v; mkdir -p $$out; rm -f $$out/$$suite.*; start=$$(date +%s); \
-	    echo "test-versions: deepspeed $$v, $$suite (log $$out/$$suite.log)"; \
-	    env -u TORCH_EXTENSIONS_DIR $(MAKE) --no-print-directory test-$$suite DEEPSPEED_VERSION=$$v > $$out/$$suite.log 2>&1; \
-	    echo $$? > $$out/$$suite.rc; echo $$(( $$(date +%s) - start )) > $$out/$$suite.seconds; \
-	    tail -1 $$out/$$suite.log; \
-	  done; \
-	done
+	@$(foreach v,$(TEST_VERSIONS),$(call run-suites,$(v),$(VERSION_SUITES),DEEPSPEED_VERSION=$(v));)
+	@$(foreach t,$(TEST_TORCH_VERSIONS),$(call run-suites,torch-$(t),$(TORCH_SUITES),TORCH_VERSION=$(t) NVME_OP=0);)
 	$(PYTHON) scripts/versions_table.py $(VERSIONS_OUT) docs/compat/versions.md
 
 test-unit: venv

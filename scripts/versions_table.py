@@ -2,11 +2,12 @@
 
     python scripts/versions_table.py RESULTS_DIR OUTPUT_MD
 
-RESULTS_DIR holds one folder per deepspeed release, each with ``<suite>.log`` (the suite's whole output),
-``<suite>.rc`` (its exit status) and ``<suite>.seconds``. Counts are read from pytest's closing lines
-("3 passed, 1 skipped in 2.1s"); a distributed suite prints one per rank, and the table shows rank 0's with a
-note when the ranks disagree. A supported release without results is listed as not run, so the table never
-hides one. Standard library only: it runs with any python.
+RESULTS_DIR holds one folder per deepspeed release and one per torch release (``torch-<version>``), each with
+``<suite>.log`` (the suite's whole output), ``<suite>.rc`` (its exit status), ``<suite>.seconds`` and
+``installed.txt`` (the venv's python, torch and deepspeed). Counts are read from pytest's closing lines ("3
+passed, 1 skipped in 2.1s"); a distributed suite prints one per rank, and the table shows rank 0's with a note
+when the ranks disagree. A supported release or a torch of the Makefile's matrix without results is listed as
+not run, so the tables never hide one. Standard library only: it runs with any python.
 """
 
 import datetime
@@ -27,6 +28,7 @@ def _tables():
     return module
 
 SUITES = ("unit", "distributed", "parity")
+TORCH_SUITES = ("unit", "parity-smoke")
 OUTCOMES = ("passed", "failed", "error", "skipped", "xfailed", "xpassed")
 _SUMMARY = re.compile(r"((?:\d+ (?:passed|failed|errors?|skipped|xfailed|xpassed|deselected|warnings?)"
                       r"(?:, )?)+) in [\d.]+s")
@@ -39,6 +41,13 @@ def supported_versions(repo: Path):
     text = (repo / "src" / "deepspeed_zero3" / "_compat.py").read_text()
     line = next(line for line in text.splitlines() if line.startswith("SUPPORTED_DEEPSPEED_VERSIONS = "))
     return re.findall(r'"([^"]+)"', line)
+
+
+def torch_versions(repo: Path):
+    """The Makefile's TORCH_VERSIONS: the torch matrix."""
+    text = (repo / "Makefile").read_text()
+    line = next(line for line in text.splitlines() if line.startswith("TORCH_VERSIONS := "))
+    return line.split(":=", 1)[1].split()
 
 
 def summaries(log_text: str):
@@ -91,22 +100,44 @@ def cell(result) -> str:
     return text
 
 
-def render(results_dir: Path, versions, today: str) -> str:
+def installed(folder: Path) -> str:
+    path = folder / "installed.txt"
+    return path.read_text().strip().splitlines()[-1] if path.exists() and path.read_text().strip() else "not run"
+
+
+def render(results_dir: Path, versions, torches, today: str) -> str:
+    table = _tables().markdown_table
     lines = [
-        "# Supported deepspeed releases",
+        "# Supported deepspeed and torch releases",
         "",
         "Written by `make test-versions` (scripts/versions_table.py) from the logs in `versions-out/`; do not edit",
-        "by hand. Each release runs in its own venv (torch 2.13.0 CPU, `deepspeed==<release>`, this package), one",
-        "release at a time: unit tests, the distributed tests (2 ranks, gloo) and the parity tests (ours vs",
-        "upstream's runtime of the same release, bitwise, 2 and 4 ranks). Counts are pytest's closing lines;",
-        "`failed` includes errors; `not run` means that suite was not run for that release in the run this table",
-        "comes from.",
+        "by hand. Each environment is its own venv with this package, run one at a time. Counts are pytest's",
+        "closing lines; `failed` includes errors; `not run` means that suite was not run for it in the run this",
+        "table comes from.",
         "",
         f"Last written: {today}.",
         "",
+        "## deepspeed releases",
+        "",
+        "torch 2.13.0 (CPU build), `deepspeed==<release>`: unit tests, the distributed tests (2 ranks, gloo) and",
+        "the parity tests (ours vs upstream's runtime of the same release, bitwise, 2 and 4 ranks).",
+        "",
     ]
     rows = [[version, *(cell(read_suite(results_dir / version, suite)) for suite in SUITES)] for version in versions]
-    lines.append(_tables().markdown_table(("deepspeed", *SUITES), rows, align="l" * (1 + len(SUITES))))
+    lines.append(table(("deepspeed", *SUITES), rows, align="l" * (1 + len(SUITES))))
+    lines += [
+        "",
+        "## torch releases",
+        "",
+        "`torch==<version>` (PyPI's Linux build, run on the CPU), deepspeed 0.19.8: unit tests, and the parity",
+        "smoke (one 2-rank launch per runtime, ours vs upstream on that torch, bitwise, four scenarios). A failure",
+        "of upstream's own runtime on a torch shows in the parity column with the test that reports it.",
+        "",
+    ]
+    rows = [[torch, installed(results_dir / f"torch-{torch}"),
+             *(cell(read_suite(results_dir / f"torch-{torch}", suite)) for suite in TORCH_SUITES)]
+            for torch in torches]
+    lines.append(table(("torch", "installed", "unit", "parity smoke"), rows, align="llll"))
     return "\n".join(lines) + "\n"
 
 
@@ -115,13 +146,14 @@ def main(argv):
         sys.stderr.write(__doc__)
         return 2
     results_dir, output = Path(argv[1]), Path(argv[2])
-    versions = supported_versions(REPO)
-    extra = sorted(p.name for p in results_dir.iterdir() if p.is_dir() and p.name not in versions) \
+    versions, torches = supported_versions(REPO), torch_versions(REPO)
+    known = set(versions) | {f"torch-{torch}" for torch in torches}
+    extra = sorted(p.name for p in results_dir.iterdir() if p.is_dir() and p.name not in known) \
         if results_dir.is_dir() else []
     if extra:
-        sys.stderr.write(f"versions_table: ignoring results of unsupported releases {extra}\n")
+        sys.stderr.write(f"versions_table: ignoring results of releases outside the matrix {extra}\n")
     output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(render(results_dir, versions, datetime.datetime.now(datetime.timezone.utc)
+    output.write_text(render(results_dir, versions, torches, datetime.datetime.now(datetime.timezone.utc)
                              .strftime("%Y-%m-%d %H:%M UTC")))
     print(output.read_text(), end="")
     return 0

@@ -42,7 +42,7 @@ def test_the_table_lists_every_supported_release_with_counts_or_not_run(tmp_path
                 "[rank 1] FAILED tests/distributed/test_x.py::test_y (call):\n", 2, 60)
     write_suite(results / "0.19.3", "unit", "1 passed in 1.0s\n", 0, 1)  # not supported: ignored
 
-    text = versions_table.render(results, versions_table.supported_versions(REPO), "today")
+    text = versions_table.render(results, versions_table.supported_versions(REPO), [], "today")
     rows = [line for line in text.splitlines() if line.startswith("| 0.19.")]
     assert rows == [
         "| 0.19.4 | ok: 148 passed, 0 failed; 52 s | ok: 30 passed, 0 failed, 1 skipped (each of 2 ranks); 230 s "
@@ -55,3 +55,24 @@ def test_the_table_lists_every_supported_release_with_counts_or_not_run(tmp_path
         "| not run |",
     ]
     assert "Last written: today." in text
+
+
+def test_the_torch_table_lists_every_torch_of_the_matrix_with_what_was_installed(tmp_path):
+    results = tmp_path / "versions-out"
+    write_suite(results / "torch-2.15.0", "unit", "252 passed, 1 skipped in 60.0s\n", 0, 61)
+    write_suite(results / "torch-2.15.0", "parity-smoke", "10 passed in 90.0s\n", 0, 95)
+    (results / "torch-2.15.0" / "installed.txt").write_text("python 3.11.7, torch 2.15.0, deepspeed 0.19.8\n")
+    write_suite(results / "torch-2.11.0", "unit", "ImportError: cannot import name 'x'\n", 4, 3)
+
+    text = versions_table.render(results, [], ["2.11.0", "2.13.0", "2.15.0"], "today")
+    rows = [line for line in text.splitlines() if line.startswith("| 2.1")]
+    assert rows == [
+        "| 2.11.0 | not run | no pytest summary (exit 4) | not run |",
+        "| 2.13.0 | not run | not run | not run |",
+        "| 2.15.0 | python 3.11.7, torch 2.15.0, deepspeed 0.19.8 | ok: 252 passed, 0 failed, 1 skipped; 61 s "
+        "| ok: 10 passed, 0 failed; 95 s |",
+    ]
+
+
+def test_the_torch_matrix_is_read_from_the_makefile():
+    assert versions_table.torch_versions(REPO) == ["2.11.0", "2.12.1", "2.13.0", "2.14.1", "2.15.0"]
