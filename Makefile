@@ -191,7 +191,8 @@ gpu-check:
 # Rebuilds docs/compat/upstream-unit-tests.md; options through COMPAT_ARGS, e.g. COMPAT_ARGS="--collect-only" or
 # COMPAT_ARGS="--files test_z3_eager_fallback.py" (other rows keep their earlier, dated measurement).
 .PHONY: compat
-compat: venv clean-locks
+# Two of upstream's files import transformers at collection: the integration deps are installed first.
+compat: venv venv-int clean-locks
 	@test -n "$(UPSTREAM)" || { echo "usage: make compat UPSTREAM=<path to a DeepSpeed checkout>"; exit 2; }
 	$(BIN)/python tools/upstream_compat.py --upstream "$(UPSTREAM)" $(COMPAT_ARGS)
 
