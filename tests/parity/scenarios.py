@@ -43,6 +43,7 @@ from scenarios_generation import (eval_then_load_weights_into_an_inference_engin
                                   generate_then_modify_in_gathered_parameters, generate_then_offload_states,
                                   generate_then_optimizer_step, generate_then_rebuild_engine,
                                   generate_with_a_second_engine_stepping)
+from scenarios_moe import moe_expert_leaves_default_persistence, moe_leaf_block_default_persistence
 from scenarios_nvme import nvme_param_offload
 from scenarios_compile import (compile_aot_eager_llama, compile_aot_eager_llama_default_buckets, compile_aot_eager_mlp,
                                compile_aot_eager_mlp_default_buckets, compile_eager_llama,
@@ -483,6 +484,8 @@ SCENARIOS = {
         granularity_gpt_attention_leaves,
         granularity_gpt_block_leaves,
         granularity_user_leaves_fast_sharding,
+        moe_leaf_block_default_persistence,
+        moe_expert_leaves_default_persistence,
     ],
     4: [plain_mlp, uneven_world4],
 }
