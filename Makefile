@@ -50,7 +50,7 @@ LAUNCH = $(BIN)/deepspeed --num_gpus $(NPROC) --master_port $(PORT)
 RELEASE_SHM = status=$$?; rm -f /dev/shm/deepspeed_allreduce_buffer_$$(id -u)_*_$(PORT)_*; exit $$status
 DIST_PYTEST = --no_local_rank --module pytest -q -p no:cacheprovider
 
-.PHONY: venv venv-int demo test test-smoke test-parity-smoke test-versions installed-versions test-unit test-parity test-distributed test-world4 test-integration bench soak clean-locks clean \
+.PHONY: venv venv-int demo test test-smoke test-parity-smoke test-smoke-torch test-parity-torch test-versions installed-versions test-unit test-parity test-distributed test-world4 test-integration bench soak clean-locks clean \
 	test-gpu gpu-wheels gpu-check
 
 $(BIN)/python:
@@ -115,15 +115,25 @@ test-smoke: test-unit test-parity-smoke
 test-parity-smoke: venv clean-locks
 	ZERO3_PARITY_WORLDS=2 ZERO3_PARITY_ONLY=$(SMOKE_SCENARIOS) $(BIN)/python -m pytest -q tests/parity/test_parity.py
 
+# The same for another torch, with the scenarios whose paths go through torch itself: checkpointing (reentrant
+# and not), z3 leaves and routing, and torch.compile with its three backends.
+TORCH_SMOKE_SCENARIOS ?= $(SMOKE_SCENARIOS),activation_checkpointing_frozen,activation_checkpointing_frozen_nonreentrant
+TORCH_SMOKE_SCENARIOS := $(TORCH_SMOKE_SCENARIOS),z3_leaf_modules,moe_expert_leaves_default_persistence
+TORCH_SMOKE_SCENARIOS := $(TORCH_SMOKE_SCENARIOS),compile_eager_mlp,compile_aot_eager_mlp,compile_inductor_mlp
+test-smoke-torch: test-unit test-parity-torch
+
+test-parity-torch: venv clean-locks
+	ZERO3_PARITY_WORLDS=2 ZERO3_PARITY_ONLY=$(TORCH_SMOKE_SCENARIOS) $(BIN)/python -m pytest -q tests/parity/test_parity.py
+
 # Every supported deepspeed release (torch 2.13.0): unit, distributed and parity tests; then every torch of
-# TORCH_VERSIONS (deepspeed 0.19.8): unit tests and the parity smoke. One environment at a time, each in its
+# TORCH_VERSIONS (deepspeed 0.19.8): unit tests and the torch parity smoke. One environment at a time, each in its
 # own venv; logs in versions-out/<release>/ and versions-out/torch-<version>/, then the tables in
 # docs/compat/versions.md. A subset reruns only those (the tables keep the others' last results):
 # make test-versions TEST_VERSIONS=0.19.4 TEST_TORCH_VERSIONS=  (an empty list skips that matrix)
 TEST_VERSIONS ?= $(SUPPORTED_DEEPSPEED_VERSIONS)
 TEST_TORCH_VERSIONS ?= $(TORCH_VERSIONS)
 VERSION_SUITES ?= unit distributed parity
-TORCH_SUITES ?= unit parity-smoke
+TORCH_SUITES ?= unit parity-torch
 VERSIONS_OUT ?= versions-out
 # $(call run-suites,<results folder>,<suites>,<make variables>)
 define run-suites

@@ -60,7 +60,7 @@ def test_the_table_lists_every_supported_release_with_counts_or_not_run(tmp_path
 def test_the_torch_table_lists_every_torch_of_the_matrix_with_what_was_installed(tmp_path):
     results = tmp_path / "versions-out"
     write_suite(results / "torch-2.15.0", "unit", "252 passed, 1 skipped in 60.0s\n", 0, 61)
-    write_suite(results / "torch-2.15.0", "parity-smoke", "10 passed in 90.0s\n", 0, 95)
+    write_suite(results / "torch-2.15.0", "parity-torch", "10 passed in 90.0s\n", 0, 95)
     (results / "torch-2.15.0" / "installed.txt").write_text("python 3.11.7, torch 2.15.0, deepspeed 0.19.8\n")
     write_suite(results / "torch-2.11.0", "unit", "ImportError: cannot import name 'x'\n", 4, 3)
 
