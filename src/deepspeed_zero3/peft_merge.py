@@ -84,12 +84,12 @@ def _merge_unit(prefix: str, layer, seen: set) -> StreamUnit:
 
 
 def merged_units(model: Module) -> List[StreamUnit]:
+    base = _base_model(model)  # first: without peft installed no model is a peft model, and that is the error
     from peft.tuners.lora import LoraLayer
     from peft.tuners.tuners_utils import BaseTunerLayer
     from peft.utils import ModulesToSaveWrapper
     from peft.utils.other import AuxiliaryTrainingWrapper
 
-    base = _base_model(model)
     units: List[StreamUnit] = []
     seen = set()
     found_lora = False
