@@ -340,21 +340,36 @@ def test_trace_mode_enum_has_upstream_members():
     assert [(m.name, m.value) for m in pc().ZeRoTraceMode] == [("RECORD", 1), ("COMPLETE", 2), ("INVALID", 3)]
 
 
-def test_update_recompute_parameters_says_what_to_use_instead():
-    with pytest.raises(NotImplementedError, match=r"ds_id=10.*ds_id=1\b.*release_backward_leftovers"):
-        pc().update_recompute_parameters(zmodule(10), zparam(1, 2))
+def test_update_recompute_parameters_attributes_the_parameter_to_the_module(monkeypatch):
+    """Upstream's bookkeeping: the parameter joins the module's ds_recompute_parameters, with upstream's debug line
+    through the served module's print_rank_0 (looked up at call time, so a patch applies)."""
+    lines = []
+    monkeypatch.setattr(pc(), "print_rank_0", lambda message, force=False: lines.append(message))
+    module, param = zmodule(10), zparam(1, 2)
+    pc().update_recompute_parameters(module, param)
+    pc().update_recompute_parameters(module, param)
+    assert module.ds_recompute_parameters == {param}
+    assert lines == ["update_recompute_parameters  sub_module.ds_id=10 to param.ds_id=1"] * 2
 
 
-def test_enable_profiler_is_refused_naming_the_stats_api(monkeypatch):
+def test_enable_profiler_builds_upstreams_profiler_over_the_timers(monkeypatch):
     coordinator = pc()
     assert coordinator.ENABLE_PROFILER is False
+
+    def build():
+        return coordinator.PartitionedParameterCoordinator(prefetch_bucket_sz=0,
+                                                           max_reuse_distance_in_numel=0,
+                                                           max_available_parameters_in_numel=0,
+                                                           allgather_stream=None,
+                                                           inflight_param_registry=coordinator.InflightParamRegistry(),
+                                                           timers="the engine's timers")
+
+    assert build().events is None
     monkeypatch.setattr(coordinator, "ENABLE_PROFILER", True)
-    with pytest.raises(NotImplementedError, match="get_zero3_stats"):
-        coordinator.PartitionedParameterCoordinator(prefetch_bucket_sz=0,
-                                                    max_reuse_distance_in_numel=0,
-                                                    max_available_parameters_in_numel=0,
-                                                    allgather_stream=None,
-                                                    inflight_param_registry=coordinator.InflightParamRegistry())
+    events = build().events
+    assert isinstance(events.profiler, coordinator.PartitionedParameterProfiler)
+    assert events.profiler.timers == "the engine's timers"
+    assert coordinator.PartitionedParameterCoordinator.BACKWARD_ALL_GATHER == "backward_all_gather"
 
 
 def test_debug_rank0_logs_at_debug_level_on_rank_0(monkeypatch):

@@ -12,6 +12,7 @@ synchronously.
 """
 
 import collections
+import contextlib
 from typing import Deque, Iterable, List
 
 from torch.nn import Parameter
@@ -21,6 +22,8 @@ from deepspeed.runtime.zero.partition_parameters import (DS_Z3_GATHERED_PARAM_CO
                                                          ZeroParamStatus)
 
 MAX_QUEUED_FETCH_EVENTS = 2
+
+_NO_TIMING = contextlib.nullcontext()
 
 
 class InflightParamRegistry(dict):
@@ -76,11 +79,12 @@ class Gatherer:
         self.quantize_weights = quantize_weights
         self.queued_events: Deque = collections.deque()
 
-    def submit(self, params: Iterable[Parameter]) -> List[List[Parameter]]:
+    def submit(self, params: Iterable[Parameter], timed=None) -> List[List[Parameter]]:
         """Start gathering every NOT_AVAILABLE parameter of ``params``; returns the groups, one per collective.
 
         Groups, in this order: quantized with a secondary partition, quantized without, plain with, plain
-        without; within a group, the order of ``params``.
+        without; within a group, the order of ``params``. ``timed(group)``, if given, is a context manager
+        around each group's collective ([Note: upstream's event timings]).
         """
         pending = [p for p in params if p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
         if not pending:
@@ -94,7 +98,7 @@ class Gatherer:
             if not subgroup:
                 continue
             quantize = True if index < 2 else self.quantize_weights
-            with get_accelerator().stream(self.allgather_stream):
+            with get_accelerator().stream(self.allgather_stream), (timed(subgroup) if timed else _NO_TIMING):
                 handle = subgroup[0].all_gather_coalesced(subgroup, quantize=quantize)
             for param in subgroup:
                 self.inflight[param] = handle

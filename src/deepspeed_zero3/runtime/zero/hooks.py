@@ -25,6 +25,7 @@ from deepspeed.runtime.zero.partition_parameters import register_external_parame
 from deepspeed.runtime.zero.utils import apply_to_tensors_only, is_zero_param
 
 from deepspeed_zero3.runtime.zero.eager import eager_only
+from deepspeed_zero3.runtime.zero.recompute import carries_grad, in_autograd_engine
 
 if TYPE_CHECKING:
     from deepspeed_zero3.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
@@ -118,9 +119,13 @@ class HookRouter:
     @eager_only
     def _post_forward(self, module, args, output):
         pop_forward_module(module)
-        if sys.exc_info()[0] is None:
+        raised = sys.exc_info()[0] is not None
+        if not raised:
             self._register_returned_params(module, output)
-        self.coordinator.release_sub_module(module, forward=True)
+        # Inside a backward (a checkpoint's recompute), whether this module's backward is still to come
+        # ([Note: release at last use in a recompute]); an exception leaves that open, so it counts as coming.
+        follows = raised or not in_autograd_engine() or carries_grad(output)
+        self.coordinator.release_sub_module(module, forward=True, backward_follows=follows)
 
     def _register_returned_params(self, module, output):
         """A module that returns a ZeRO parameter hands it to its caller: register it there as external."""

@@ -68,7 +68,19 @@ class ZeROOrderedDict(OrderedDict):
                 param.all_gather()
                 fallback.record_gathered_param(param)
             _announce_getter_gather(key, param)
+        if FWD_MODULE_STACK and fallback is None:
+            _note_external_read(FWD_MODULE_STACK[-1], param)
         return param
+
+
+def _note_external_read(reader, param) -> None:
+    """Tell ``reader``'s coordinator that it read ``param``, if that is one of its external parameters, and how
+    ([Note: release at last use in a recompute], recompute.py)."""
+    if id(param) not in reader.__dict__.get("_external_params", ()):
+        return
+    registry = reader.__dict__.get(REGISTRY_ATTR)
+    if registry is not None:
+        registry.coordinator.external_reads.note(reader, param)
 
 
 def _gathered_ahead_unclaimed(param) -> bool:

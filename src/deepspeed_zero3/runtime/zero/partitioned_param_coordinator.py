@@ -22,9 +22,9 @@ What differs from upstream, in one place:
 """
 
 from deepspeed_zero3.runtime.zero.upstream_names import *  # noqa: F401,F403  [Note: upstream's module names]
-from deepspeed_zero3.runtime.zero.upstream_names import PROFILER_NOT_SUPPORTED
 from deepspeed_zero3.runtime.zero.upstream_names import coordinator_debug_rank0 as debug_rank0  # noqa: F401
 
+import contextlib
 import os
 import threading
 from typing import Dict, Iterable, Optional, Sequence
@@ -47,7 +47,8 @@ from deepspeed_zero3.runtime.zero.nvme_swap import (NvmeSwapIns, blocks_gather, 
 from deepspeed_zero3.runtime.zero.passes import PassKind
 from deepspeed_zero3.runtime.zero.prediction import PassPrediction
 from deepspeed_zero3.runtime.zero.prefetch import PassPrefetcher
-from deepspeed_zero3.runtime.zero.profiling import module_range, pass_range
+from deepspeed_zero3.runtime.zero.profiling import EventTimings, module_range, pass_range
+from deepspeed_zero3.runtime.zero.recompute import ExternalReads, in_autograd_engine, is_external_of
 from deepspeed_zero3.runtime.zero.rank_agreement import PassOrderCheck, check_ranks_from_env, check_same_module_on_all_ranks
 from deepspeed_zero3.runtime.zero.release import release as release_gathered
 from deepspeed_zero3.runtime.zero.running_pass import RunningPass
@@ -60,13 +61,21 @@ def _is_persistent(param: Parameter) -> bool:
     return param.ds_persist
 
 
-def in_autograd_engine() -> bool:
-    """True while the autograd engine executes a graph (backward, and recomputation inside it)."""
-    return torch._C._current_graph_task_id() != -1
+_NO_EVENT = contextlib.nullcontext()
 
 
 class PartitionedParameterCoordinator:
     """Decides when each parameter is gathered and released. One per managed module tree."""
+
+    # Upstream's event names ([Note: upstream's event timings]).
+    FORWARD_FETCH_SUBMIT = 'forward_fetch_submit'
+    FORWARD_FETCH_WAIT = 'forward_fetch_wait'
+    FORWARD_PREFETCH_SUBMIT = 'forward_prefetch_submit'
+    BACKWARD_FETCH_SUBMIT = 'backward_fetch_submit'
+    BACKWARD_FETCH_WAIT = 'backward_fetch_wait'
+    BACKWARD_PREFETCH_SUBMIT = 'backward_prefetch_submit'
+    FORWARD_ALL_GATHER = 'forward_all_gather'
+    BACKWARD_ALL_GATHER = 'backward_all_gather'
 
     def __init__(
         self,
@@ -84,8 +93,9 @@ class PartitionedParameterCoordinator:
         trace_cache_size: int = 8,
         data_parallel_group=None,
     ) -> None:
-        if ENABLE_PROFILER:  # noqa: F405 (upstream's switch, read from this module so that a patch applies)
-            raise NotImplementedError(PROFILER_NOT_SUPPORTED)
+        # Upstream's switch, read from this module so that a patch applies ([Note: upstream's event timings]).
+        self.events = (EventTimings(PartitionedParameterProfiler(timers))  # noqa: F405
+                       if ENABLE_PROFILER else None)  # noqa: F405
         self.settings = PrefetchSettings.from_config_values(prefetch_bucket_sz, max_available_parameters_in_numel,
                                                             max_reuse_distance_in_numel)
         self.inflight = inflight_param_registry
@@ -106,6 +116,7 @@ class PartitionedParameterCoordinator:
         self.prediction = PassPrediction()
         self.keeping = BackwardKeeping()
         self.nograd_keeping = NoGradKeeping()
+        self.external_reads = ExternalReads()  # [Note: release at last use in a recompute]
         self.stats = ZeroStats()
         # The pass running now, None between passes ([Note: the running pass]).
         self.running: Optional[RunningPass] = None
@@ -150,6 +161,7 @@ class PartitionedParameterCoordinator:
             self.prediction.clear()
             self.keeping.clear()
             self.nograd_keeping.clear()
+            self.external_reads.clear()
 
     _invalidate_trace = invalidate_traces
 
@@ -176,6 +188,10 @@ class PartitionedParameterCoordinator:
         with self.lock:
             self._end_open_pass(keep_carry=True)  # [Note: keeping across no-grad passes]
             kind = PassKind.FORWARD if torch.is_grad_enabled() else PassKind.EVAL_FORWARD
+            if kind is PassKind.FORWARD:
+                self.external_reads.forward_began()
+            if self.events is not None:
+                self.events.forward_began()
             self._begin_pass(kind, self.prediction.forward_guess(kind, self.traces))
 
     def end_forward_pass(self, aborted: bool = False) -> None:
@@ -227,6 +243,7 @@ class PartitionedParameterCoordinator:
                 return
             self.keeping.backward_ended(self._finish_trace(running, aborted))
             self.nograd_keeping.drop()
+            self.external_reads.backward_ended()
             self._end_pass(aborted)
             self.release_all_ours(keep=())
             if not aborted and self.order_check.due(PassKind.BACKWARD):
@@ -272,6 +289,10 @@ class PartitionedParameterCoordinator:
                                  running.progress.observed)
         if self.swap_ins is not None:
             running.stats.swap_in_unused += self.swap_ins.end_pass()
+        for module in running.recompute_owners.values():
+            module.ds_recompute_parameters.clear()  # what is still gathered is released with the pass
+        if self.events is not None:
+            self.events.pass_ended(replayed=running.progress.replaying())
         self.stats.end_pass(aborted=aborted)
         self.running = None
 
@@ -314,14 +335,21 @@ class PartitionedParameterCoordinator:
                 observed_step = running.progress.step if running is not None else -1
                 check_same_module_on_all_ranks(kind, observed_step, current_submodule, self.order_check.group)
             params = self._params_to_fetch(running, current_submodule, step)
-            if running is not None and running.is_backward:
+            backward = running is not None and running.is_backward
+            if backward:
                 running.active_backward[current_submodule.ds_id] = current_submodule
             for param in params:
-                param.ds_active_sub_modules.add(current_submodule.ds_id)
+                # [Note: release at last use in a recompute]: a backward holds an external parameter only if a
+                # forward may have saved it by reference.
+                if (not backward or forward or not is_external_of(current_submodule, param)
+                        or self.external_reads.claims(current_submodule, param)):
+                    param.ds_active_sub_modules.add(current_submodule.ds_id)
             if self.swap_ins is not None:
                 self._make_swap_room(running, params)
-            self._gather(params, prefetch=False)
-            with module_range("wait", current_submodule):
+            with self._event(self.FORWARD_FETCH_SUBMIT if forward else self.BACKWARD_FETCH_SUBMIT, params, "fetch"):
+                self._gather(params, prefetch=False, forward=forward)
+            with module_range("wait", current_submodule), self._event(
+                    self.FORWARD_FETCH_WAIT if forward else self.BACKWARD_FETCH_WAIT, params, "wait"):
                 self.gatherer.wait(params, fast_leaf=self.leaf_sharding.applies_to(current_submodule))
             if self.swap_ins is not None:
                 persisted = persistent_partitions_in_memory(params)
@@ -399,9 +427,12 @@ class PartitionedParameterCoordinator:
         wanted = prefetcher.plan(self.live_numel, self.settings.max_live_numel, is_persistent=_is_persistent,
                                  stop_at=blocks_gather if self.swap_ins is not None else None)
         if wanted:
+            forward = not running.is_backward
             with (module_range("prefetch", module, params=wanted)
-                  if module is not None else pass_range("prefetch", " " + prefetcher.role + " start", wanted)):
-                self._gather(wanted, prefetch=True)
+                  if module is not None else pass_range("prefetch", " " + prefetcher.role + " start", wanted)), \
+                    self._event(self.FORWARD_PREFETCH_SUBMIT if forward else self.BACKWARD_PREFETCH_SUBMIT, wanted,
+                                "prefetch"):
+                self._gather(wanted, prefetch=True, forward=forward)
         if self.swap_ins is not None:
             running.stats.swap_in_ahead += self.swap_ins.read_ahead(prefetcher.trace.param_uses, prefetcher.cursor,
                                                                     self.settings.bucket_numel)
@@ -426,8 +457,27 @@ class PartitionedParameterCoordinator:
                 self._release(param)
                 count -= 1
 
-    def _gather(self, params: Iterable[Parameter], prefetch: bool) -> None:
-        for group in self.gatherer.submit(params):
+    def _event(self, name: str, params, what: str):
+        """Upstream's profiler event ``name`` around a fetch submit, wait or prefetch submit of ``params`` (a no-op
+        unless ENABLE_PROFILER): the numel upstream records for it."""
+        if self.events is None:
+            return _NO_EVENT
+        if what == "fetch":
+            numel = sum(p.partition_numel() for p in params if p.ds_status == ZeroParamStatus.NOT_AVAILABLE)
+            if numel == 0:
+                return _NO_EVENT  # upstream records a fetch submit only when it gathers something
+        elif what == "wait":
+            numel = sum(p.partition_numel() for p in params if p in self.inflight)
+        else:
+            numel = sum(p.ds_numel for p in params)
+        return self.events.event(name, numel)
+
+    def _gather(self, params: Iterable[Parameter], prefetch: bool, forward: bool = True) -> None:
+        timed = None
+        if self.events is not None:
+            name = self.FORWARD_ALL_GATHER if forward else self.BACKWARD_ALL_GATHER
+            timed = lambda group: self.events.event(name, sum(p.ds_numel for p in group))  # noqa: E731
+        for group in self.gatherer.submit(params, timed=timed):
             self.stats.on_allgather(sum(p.ds_numel for p in group), prefetch=prefetch)
             if self.running is not None:
                 self.running.gathered += 1
@@ -438,19 +488,29 @@ class PartitionedParameterCoordinator:
 
     @eager_only  # [Note: what Dynamo may trace]
     @torch.no_grad()
-    def release_sub_module(self, submodule: Module, forward: bool = False) -> None:
-        """Release what ``submodule`` used, unless it is in use, claimed ahead, or kept."""
+    def release_sub_module(self, submodule: Module, forward: bool = False, backward_follows: bool = True) -> None:
+        """Release what ``submodule`` used, unless it is in use, claimed ahead, or kept. ``backward_follows``
+        (forward hooks only): whether the module's outputs carry a gradient, so a backward of its own follows."""
         with self.lock, module_range("release", submodule, " forward" if forward else " backward"):
             running = self.running
             if forward and running is not None and running.is_backward and submodule.ds_id in running.active_backward:
-                # A non-reentrant checkpoint recomputes this module's forward inside its own backward (and
-                # torch's early stop raises out of it, which always_call forward hooks see): the backward has
-                # yet to use the parameters (its AccumulateGrad included); its post-backward releases them.
-                return
+                # A checkpoint recomputes this module's forward inside the backward (torch's early stop raises
+                # out of it, which always_call forward hooks see as backward_follows): its backward has yet to
+                # use the parameters, and its post-backward releases them. With no backward to come, this
+                # forward was their last use ([Note: release at last use in a recompute]).
+                if backward_follows:
+                    return
+                running.active_backward.pop(submodule.ds_id, None)
             step = running.step if running is not None else -1
             prefetcher = running.prefetcher if running is not None else None
             partition = self.leaf_sharding.releaser() if self.leaf_sharding.applies_to(submodule) else None
-            for param in self._params_to_release(running, submodule):
+            params = self._params_to_release(running, submodule)
+            recomputed = () if forward else submodule.__dict__.get("ds_recompute_parameters")
+            if recomputed:
+                # Upstream's attribution (update_recompute_parameters): released with this module's backward.
+                params = list(params) + [p for p in recomputed if not p.ds_persist]
+                recomputed.clear()
+            for param in params:
                 param.ds_active_sub_modules.discard(submodule.ds_id)
                 if (param.ds_persist or param.is_external_param or param.ds_active_sub_modules
                         or held_by_gathered_parameters(param)):

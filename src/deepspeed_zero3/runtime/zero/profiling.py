@@ -41,3 +41,38 @@ def _sizes(params) -> str:
     if params is None:
         return ""
     return f" ({len(params)} params, {sum(p.ds_numel for p in params)} numel)"
+
+
+class EventTimings:
+    """Upstream's profiler events, timed around our own fetch submit, wait, prefetch submit and all-gather.
+
+    [Note: upstream's event timings]
+    ``partitioned_param_coordinator.ENABLE_PROFILER = True`` (read when a coordinator is built, as upstream
+    reads it) gives each coordinator one of these over upstream's ``PartitionedParameterProfiler`` and the
+    engine's timers, with upstream's event names (``forward_fetch_submit``, ...). The counters add up from
+    one root forward to the next, and are logged and reset when the next forward begins if the passes
+    since replayed a trace, as upstream logs at its ``reset_step``. What differs is what the events cover:
+    ours count our collectives (one all-gather event per coalesced group) and our demand fetches, which a
+    replayed trace's prefetch mostly avoids.
+    """
+
+    def __init__(self, profiler):
+        self.profiler = profiler
+        self.due = False  # a pass replaying a trace ended since the last log
+
+    @contextlib.contextmanager
+    def event(self, name: str, numel: int):
+        self.profiler.start_event(name)
+        try:
+            yield
+        finally:
+            self.profiler.stop_event(name, numel)
+
+    def pass_ended(self, replayed: bool) -> None:
+        self.due = self.due or replayed
+
+    def forward_began(self) -> None:
+        if self.due:
+            self.profiler.log_events()
+        self.profiler.reset_events()
+        self.due = False

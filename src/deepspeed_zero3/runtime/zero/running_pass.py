@@ -40,6 +40,8 @@ class RunningPass:
         self.fetched_from: Dict[int, Tuple[Parameter, ...]] = {}
         # Backward passes: modules fetched whose post-backward hook has not fired yet.
         self.active_backward: Dict[int, Module] = {}
+        # Modules given parameters through upstream's update_recompute_parameters in this pass.
+        self.recompute_owners: Dict[int, Module] = {}
         # All-gathers this pass issued and parameters it released: with neither, the pass changed nothing ([Note:
         # silent passes]). Its own counts, not the stats', which a user may reset in the middle of a pass.
         self.gathered = 0

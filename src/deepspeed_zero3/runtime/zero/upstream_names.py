@@ -49,15 +49,13 @@ except ImportError:
 
 from deepspeed_zero3.runtime.zero.module_params import named_fetch_params
 from deepspeed_zero3.runtime.zero.ordered_dict import ZeROOrderedDict, inject_zero_ordered_dicts
+from deepspeed_zero3.runtime.zero.param_registry import find_registry
 
 # ---------------------------------------------------------------- partitioned_param_coordinator's own
 
-# Upstream's switch for its PartitionedParameterProfiler (event timings). Ours has no such profiler.
+# Upstream's switch for its PartitionedParameterProfiler: read when a coordinator is built ([Note: upstream's event
+# timings], profiling.py).
 ENABLE_PROFILER = False
-PROFILER_NOT_SUPPORTED = (
-    "partitioned_param_coordinator.ENABLE_PROFILER=True asks for upstream's PartitionedParameterProfiler, which "
-    "deepspeed-zero3 does not have; read the per-pass counters with deepspeed_zero3.get_zero3_stats(engine) or "
-    "log them every N steps with DEEPSPEED_ZERO3_STATS_EVERY=N, or set DEEPSPEED_ZERO3=0 to run upstream's runtime")
 
 
 def coordinator_debug_rank0(message: str) -> None:
@@ -81,15 +79,17 @@ class ZeRoTraceMode(Enum):
 
 
 def update_recompute_parameters(sub_module: Module, param: Parameter) -> None:
-    """Upstream ties a frozen parameter gathered while a checkpoint recomputes to the backward module
-    running, for its release. Ours has no such tie to update (see the error)."""
-    raise NotImplementedError(
-        f"update_recompute_parameters({type(sub_module).__name__} ds_id={getattr(sub_module, 'ds_id', None)}, "
-        f"param ds_id={getattr(param, 'ds_id', None)}) is upstream's bookkeeping for parameters gathered while a "
-        f"checkpoint recomputes, which deepspeed-zero3 does not keep: release_sub_module() decides when a "
-        f"parameter fetched in a backward pass is released, and release_backward_leftovers() releases what is "
-        f"still gathered when the backward ends. Use PartitionedParameterCoordinator.fetch_sub_module() and "
-        f"release_sub_module(), or set DEEPSPEED_ZERO3=0 to run upstream's runtime.")
+    """Upstream's attribution of a frozen parameter gathered while a checkpoint recomputes to the backward module
+    running: ``param`` is released with ``sub_module``'s post-backward (or with the pass, if that never comes).
+    Our runtime does not need it ([Note: release at last use in a recompute]) but honours it for callers."""
+    sub_module.__dict__.setdefault("ds_recompute_parameters", set()).add(param)
+    registry = find_registry(sub_module)
+    running = registry.coordinator.running if registry is not None else None
+    if running is not None:
+        running.recompute_owners[id(sub_module)] = sub_module
+    served = sys.modules.get("deepspeed_zero3.runtime.zero.partitioned_param_coordinator")
+    announce = getattr(served, "print_rank_0", print_rank_0)  # noqa: F405 (partition_parameters' own)
+    announce(f"update_recompute_parameters  {sub_module.ds_id=} to {param.ds_id=}", force=False)
 
 
 # ---------------------------------------------------------------- parameter_offload's own

@@ -1,0 +1,87 @@
+"""What an activation checkpoint's recompute changes about when a parameter may be released.
+
+[Note: release at last use in a recompute]
+A backward pass runs a checkpointed region's forward again (a recompute), so modules run
+forward hooks inside the backward. Two rules follow, both about where a parameter's last
+use in that backward is:
+* A module recomputed whose outputs carry no gradient gets no backward of its own in this
+  pass (a frozen embedding fed token ids, a LoRA base layer whose input needs no grad):
+  its forward was the last use, so its post-forward releases as in a forward pass. One
+  whose outputs carry a gradient keeps its parameters for its backward, as before.
+* A module's backward claims an external parameter (one it reads but does not own) only
+  if some forward since the last backward may have saved it for backward by reference.
+  A read inside a checkpoint's forward cannot: under ``torch.utils.checkpoint``'s
+  saved-tensor hooks autograd saves a handle, and a reentrant checkpoint's forward runs
+  without grad. Its recompute gets the parameter from the owner's own fetch.
+A parameter never seen read is claimed, as before: the rules only ever drop a claim that
+autograd proves unneeded. Neither changes what is gathered, so counts of gathers and values
+stay those of the pass without them; only the release moves earlier.
+"""
+
+import torch
+from torch.nn import Module, Parameter
+
+from deepspeed.runtime.zero.utils import apply_to_tensors_only
+
+_CHECKPOINT_MODULE = "torch.utils.checkpoint"
+
+
+def in_autograd_engine() -> bool:
+    """True while the autograd engine executes a graph (backward, and recomputation inside it)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def read_saves_no_reference() -> bool:
+    """Whether a tensor read now cannot be saved for backward as itself: grad is off, or the innermost
+    saved-tensor hooks are ``torch.utils.checkpoint``'s (which save a handle and recompute)."""
+    if not torch.is_grad_enabled():
+        return True
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    return hooks is not None and getattr(hooks[0], "__module__", "") == _CHECKPOINT_MODULE
+
+
+def carries_grad(output) -> bool:
+    """Whether a module output holds a tensor that requires grad (what its backward hooks are put on)."""
+    found = []
+
+    def look(tensor):
+        if tensor.requires_grad:
+            found.append(True)
+        return tensor
+
+    apply_to_tensors_only(look, output)
+    return bool(found)
+
+
+def is_external_of(module: Module, param: Parameter) -> bool:
+    """Whether ``param`` is registered as an external parameter of ``module`` (upstream keys them by id)."""
+    return id(param) in module.__dict__.get("_external_params", ())
+
+
+class ExternalReads:
+    """For each (module, external parameter) read in the forwards since the last backward, whether any read
+    may have saved the parameter by reference ([Note: release at last use in a recompute])."""
+
+    def __init__(self):
+        self.by_reference = {}
+        self.backward_since = False
+
+    def forward_began(self) -> None:
+        if self.backward_since:
+            self.by_reference.clear()
+            self.backward_since = False
+
+    def backward_ended(self) -> None:
+        self.backward_since = True
+
+    def note(self, module: Module, param: Parameter) -> None:
+        key = (module.ds_id, param.ds_id)
+        self.by_reference[key] = self.by_reference.get(key, False) or not read_saves_no_reference()
+
+    def claims(self, module: Module, param: Parameter) -> bool:
+        """Whether ``module``'s backward must hold ``param`` gathered until its post-backward."""
+        return self.by_reference.get((module.ds_id, param.ds_id), True)
+
+    def clear(self) -> None:
+        self.by_reference.clear()
+        self.backward_since = False
