@@ -43,6 +43,7 @@ from scenarios_generation import (eval_then_load_weights_into_an_inference_engin
                                   generate_then_modify_in_gathered_parameters, generate_then_offload_states,
                                   generate_then_optimizer_step, generate_then_rebuild_engine,
                                   generate_with_a_second_engine_stepping)
+from scenarios_lora import lora_checkpointing_nonreentrant, lora_checkpointing_reentrant
 from scenarios_moe import moe_expert_leaves_default_persistence, moe_leaf_block_default_persistence
 from scenarios_nvme import nvme_param_offload
 from scenarios_compile import (compile_aot_eager_llama, compile_aot_eager_llama_default_buckets, compile_aot_eager_mlp,
@@ -445,6 +446,8 @@ SCENARIOS = {
         activation_checkpointing_frozen,
         activation_checkpointing_frozen_nonreentrant,
         activation_checkpointing_no_early_stop,
+        lora_checkpointing_nonreentrant,
+        lora_checkpointing_reentrant,
         zero_init,
         tied_weights,
         z3_leaf_modules,
