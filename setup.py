@@ -24,21 +24,36 @@ class BuildPyWithPth(build_py):
         return super().get_outputs(include_bytecode) + [os.path.join(self.build_lib, PTH_NAME)]
 
 
-def supported_deepspeed_requirement():
-    """Build the deepspeed requirement from SUPPORTED_DEEPSPEED_VERSIONS in _compat.py (read, not imported).
-
-    One version pins it exactly; several give the range they span, and the run-time check in
-    deepspeed_zero3.activation turns the overlay off for any version in between that is not listed.
-    """
+def compat_versions(name):
+    """The version tuple ``name`` of src/deepspeed_zero3/_compat.py (read, not imported), oldest first."""
     path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "src", "deepspeed_zero3", "_compat.py")
     with open(path) as handle:
         tree = ast.parse(handle.read())
     for node in tree.body:
-        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "SUPPORTED_DEEPSPEED_VERSIONS":
-            versions = sorted(ast.literal_eval(node.value), key=lambda v: tuple(int(x) for x in v.split(".")))
-            if len(versions) == 1:
-                return f"deepspeed=={versions[0]}"
-            return f"deepspeed>={versions[0]},<={versions[-1]}"
-    raise RuntimeError("SUPPORTED_DEEPSPEED_VERSIONS not found in src/deepspeed_zero3/_compat.py")
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == name:
+            return sorted(ast.literal_eval(node.value), key=lambda v: tuple(int(x) for x in v.split(".")))
+    raise RuntimeError(f"{name} not found in src/deepspeed_zero3/_compat.py")
 
-setup(cmdclass={"build_py": BuildPyWithPth}, install_requires=[supported_deepspeed_requirement(), "torch", "packaging"])
+
+def supported_deepspeed_requirement():
+    """The deepspeed requirement, from SUPPORTED_DEEPSPEED_VERSIONS.
+
+    One version pins it exactly; several give the range they span, and the run-time check in
+    deepspeed_zero3.activation turns the overlay off for any version in between that is not listed.
+    """
+    versions = compat_versions("SUPPORTED_DEEPSPEED_VERSIONS")
+    if len(versions) == 1:
+        return f"deepspeed=={versions[0]}"
+    return f"deepspeed>={versions[0]},<={versions[-1]}"
+
+
+def measured_torch_requirement():
+    """The torch requirement, from MEASURED_TORCH_VERSIONS: the first measured minor series up to the one after
+    the last (the matrix runs each series at one patch release; the others of a series are taken as alike)."""
+    versions = compat_versions("MEASURED_TORCH_VERSIONS")
+    first, last = versions[0].split("."), versions[-1].split(".")
+    return f"torch>={first[0]}.{first[1]},<{last[0]}.{int(last[1]) + 1}"
+
+
+setup(cmdclass={"build_py": BuildPyWithPth},
+      install_requires=[supported_deepspeed_requirement(), measured_torch_requirement(), "packaging"])

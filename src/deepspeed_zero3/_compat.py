@@ -10,6 +10,11 @@ interpreter start.
 # Below 0.19.4 upstream lacks internals our modules import (DS_Z3_GATHERED_PARAM_CONTEXT_DEPTH_ATTR).
 SUPPORTED_DEEPSPEED_VERSIONS = ("0.19.4", "0.19.5", "0.19.6", "0.19.7", "0.19.8")
 
+# Every torch release listed here has been run through `make test-versions` with the newest supported deepspeed
+# (docs/compat/versions.md's torch table; the Makefile's TORCH_VERSIONS is this list). setup.py requires torch from
+# the first minor series to the last.
+MEASURED_TORCH_VERSIONS = ("2.11.0", "2.12.1", "2.13.0", "2.14.1", "2.15.0")
+
 # The upstream modules we serve our own implementation for, mapped to ours.
 OVERLAID_MODULES = {
     "deepspeed.runtime.zero.partitioned_param_coordinator": "deepspeed_zero3.runtime.zero.partitioned_param_coordinator",

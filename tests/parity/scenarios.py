@@ -44,6 +44,7 @@ from scenarios_generation import (eval_then_load_weights_into_an_inference_engin
                                   generate_then_optimizer_step, generate_then_rebuild_engine,
                                   generate_with_a_second_engine_stepping)
 from scenarios_lora import lora_checkpointing_nonreentrant, lora_checkpointing_reentrant
+from scenarios_mics import mics_shard_2
 from scenarios_moe import moe_expert_leaves_default_persistence, moe_leaf_block_default_persistence
 from scenarios_nvme import nvme_param_offload
 from scenarios_compile import (compile_aot_eager_llama, compile_aot_eager_llama_default_buckets, compile_aot_eager_mlp,
@@ -489,8 +490,9 @@ SCENARIOS = {
         granularity_user_leaves_fast_sharding,
         moe_leaf_block_default_persistence,
         moe_expert_leaves_default_persistence,
+        mics_shard_2,  # last: on the CPU it stops in a collective (scenarios_mics.py)
     ],
-    4: [plain_mlp, uneven_world4],
+    4: [plain_mlp, uneven_world4, mics_shard_2],
 }
 
 # ---------------------------------------------------------------------------------------------- driver

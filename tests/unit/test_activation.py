@@ -303,15 +303,28 @@ def test_a_version_outside_the_supported_set_warns_once_and_runs_upstream(monkey
     ]
 
 
-def test_setup_py_requires_the_span_of_the_supported_set():
-    """setup.py's requirement comes from the same tuple (its function run alone: setup() would build)."""
+def setup_py_functions():
+    """setup.py's functions, run alone (setup() itself would build)."""
     import ast
     source = (REPO / "setup.py").read_text()
-    function = next(node for node in ast.parse(source).body
-                    if isinstance(node, ast.FunctionDef) and node.name == "supported_deepspeed_requirement")
     namespace = {"ast": ast, "os": os, "__file__": str(REPO / "setup.py")}
-    exec(ast.get_source_segment(source, function), namespace)
-    assert namespace["supported_deepspeed_requirement"]() == "deepspeed>=0.19.4,<=0.19.8"
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.FunctionDef):
+            exec(ast.get_source_segment(source, node), namespace)
+    return namespace
+
+
+def test_setup_py_requires_the_span_of_the_supported_set():
+    assert setup_py_functions()["supported_deepspeed_requirement"]() == "deepspeed>=0.19.4,<=0.19.8"
+
+
+def test_setup_py_requires_the_measured_torch_series():
+    """The torch range follows the measured matrix, which is the Makefile's TORCH_VERSIONS."""
+    from deepspeed_zero3._compat import MEASURED_TORCH_VERSIONS
+    assert setup_py_functions()["measured_torch_requirement"]() == "torch>=2.11,<2.16"
+    makefile = (REPO / "Makefile").read_text()
+    line = next(line for line in makefile.splitlines() if line.startswith("TORCH_VERSIONS := "))
+    assert tuple(line.split(":= ")[1].split()) == MEASURED_TORCH_VERSIONS
 
 
 def test_missing_deepspeed_turns_the_overlay_off(monkeypatch):

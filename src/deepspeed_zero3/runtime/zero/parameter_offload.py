@@ -37,7 +37,6 @@ from deepspeed_zero3.runtime.zero.ordered_dict import ZeROOrderedDict, ensure_ze
 from deepspeed_zero3.runtime.zero.param_registry import ParamStateRegistry, find_registry
 from deepspeed_zero3.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
 from deepspeed_zero3.runtime.zero.settings import PrefetchSettings
-from deepspeed_zero3.runtime.zero.upstream_features import refuse_uncovered_features
 from deepspeed_zero3.runtime.zero.zenflow_params import ZenFlowParamLayout, check_zenflow_params
 
 
@@ -78,7 +77,6 @@ class DeepSpeedZeRoOffload:
         zero_module_granularity_threshold=0,
         log_trace_cache_warnings=False,
     ):
-        refuse_uncovered_features(self, module)  # [Note: features, not version numbers]
         zero_module_granularity_threshold = check_granularity_threshold(zero_module_granularity_threshold or 0)
         self.settings = PrefetchSettings.from_config_values(prefetch_bucket_size, max_live_parameters,
                                                             max_reuse_distance)
