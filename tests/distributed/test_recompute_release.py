@@ -16,8 +16,7 @@ reentrant          35,328 / 106,113            100,352 / 112,257
 Ours peaks at one block (both bases, four adapters, the norm) in either mode and gathers each parameter once
 (all but the embedding, which has no backward). Upstream's non-reentrant backward releases the recomputed adapters after the
 recompute and gathers them again for their backward (1.83 times our traffic, for a peak 1,024 lower); reentrant,
-it keeps what each recompute gathered until the end of the checkpoint's backward, so its peak grows a block per
-block. Upstream's figures are what the parity scenarios ``lora_checkpointing_*`` record for it with the same
+it keeps most of what each recompute gathered until the whole backward ends, so its peak grows block by block. Upstream's figures are what the parity scenarios ``lora_checkpointing_*`` record for it with the same
 instruments (``backward_peak_live_numel``, ``backward_gathered_numel``), where losses and parameters are compared
 with upstream bitwise.
 """
