@@ -25,7 +25,7 @@ from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 from deepspeed_zero3.testing.engines import training_engine, zero3_config
 from deepspeed_zero3.testing.instrument import GatherMeter
 
-STEPS = 3
+STEPS = 5
 VOCAB = 64
 WIDTH = 128
 RANK = 4
