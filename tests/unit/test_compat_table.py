@@ -39,10 +39,25 @@ def test_the_page_names_its_commit_pytest_and_fp16_support():
 
 def test_a_test_that_did_not_report_is_counted_not_run_with_why():
     page = upstream_compat.render(store())
-    assert "| a/test_x.py | 2 | 2 | 2 | 2 / 0 / 0 / 0 / 0 | 1 / 0 / 0 / 0 / 1 |" in page
+    assert "| a/test_x.py | 2 | 2 | 2 | 2 / 0 / 0 / 0 / 0 / 0 | 1 / 0 / 0 / 0 / 0 / 1 |" in page
     assert "* `a/test_x.py` under ours: did not report (timed out" in page
     assert "| a/test_y.py | 1 | 1 | not run in this release |  |  |" in page
     assert "* `a/test_x.py::test_two`: upstream P, ours NR; **not on purpose: a bug to fix**" in page
+
+
+def test_a_test_upstream_xfails_and_ours_passes_is_an_xpass_not_a_bug():
+    """pytest's junit reports a non-strict XPASS as a pass: the page counts it XP under ours ([Note: XPASS from
+    the two runtimes]), and the run has no unexplained difference."""
+    release = store()
+    collections = {rt: {"items": [{"nodeid": "unit/a/test_z.py::test_follow_up", "stage3": True}], "errors": [],
+                        "skipped_modules": []} for rt in upstream_compat.RUNTIMES}
+    ran = {"unit/a/test_z.py": {"upstream": {"unit/a/test_z.py::test_follow_up": ("XF", "follow-up")},
+                                "ours": {"unit/a/test_z.py::test_follow_up": ("P", "")}}}
+    upstream_compat.update_store(release, collections, ran, "2026-12-02")
+    page = upstream_compat.render(release)
+    assert "| a/test_z.py | 1 | 1 | 1 | 0 / 0 / 0 / 1 / 0 / 0 | 0 / 0 / 0 / 0 / 1 / 0 |" in page
+    assert ("* `a/test_z.py::test_follow_up`: upstream XF, ours XP; XPASS under ours: upstream marks it xfail, as its "
+            "own open follow-up") in page
 
 
 def test_modules_skipped_at_collection_are_not_applicable_here():
