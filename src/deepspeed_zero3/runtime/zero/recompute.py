@@ -13,9 +13,9 @@ use in that backward is:
   A read inside a checkpoint's forward cannot: under ``torch.utils.checkpoint``'s
   saved-tensor hooks autograd saves a handle, and a reentrant checkpoint's forward runs
   without grad. Its recompute gets the parameter from the owner's own fetch.
-A parameter never seen read is claimed, as before: the rules only ever drop a claim that
-autograd proves unneeded. Neither changes what is gathered, so counts of gathers and values
-stay those of the pass without them; only the release moves earlier.
+A parameter never seen read is claimed: the rules only drop a claim autograd cannot need.
+Released this way, a parameter the same backward uses again is kept for that use or gathered
+again by the reuse distance, as in any pass; values never change.
 """
 
 import torch
