@@ -51,7 +51,7 @@ LAUNCH = $(BIN)/deepspeed --num_gpus $(NPROC) --master_port $(PORT)
 RELEASE_SHM = status=$$?; rm -f /dev/shm/deepspeed_allreduce_buffer_$$(id -u)_*_$(PORT)_*; exit $$status
 DIST_PYTEST = --no_local_rank --module pytest -q -p no:cacheprovider
 
-.PHONY: venv venv-int demo test test-smoke test-parity-smoke test-smoke-torch test-parity-torch test-versions installed-versions test-unit test-parity test-distributed test-world4 test-integration bench soak clean-locks clean \
+.PHONY: venv venv-int demo test test-smoke test-parity-smoke test-smoke-torch test-parity-torch test-counts-torch test-versions installed-versions test-unit test-parity test-distributed test-world4 test-integration bench soak clean-locks clean \
 	test-gpu gpu-wheels gpu-check
 
 $(BIN)/python:
@@ -119,12 +119,19 @@ test-parity-smoke: venv clean-locks
 # The same for another torch, with the scenarios whose paths go through torch itself: checkpointing (reentrant
 # and not), z3 leaves and routing, and torch.compile with its three backends.
 TORCH_SMOKE_SCENARIOS ?= $(SMOKE_SCENARIOS),activation_checkpointing_frozen,activation_checkpointing_frozen_nonreentrant
+TORCH_SMOKE_SCENARIOS := $(TORCH_SMOKE_SCENARIOS),lora_checkpointing_nonreentrant,lora_checkpointing_reentrant
 TORCH_SMOKE_SCENARIOS := $(TORCH_SMOKE_SCENARIOS),z3_leaf_modules,moe_expert_leaves_default_persistence
 TORCH_SMOKE_SCENARIOS := $(TORCH_SMOKE_SCENARIOS),compile_eager_mlp,compile_aot_eager_mlp,compile_inductor_mlp
-test-smoke-torch: test-unit test-parity-torch
+test-smoke-torch: test-unit test-parity-torch test-counts-torch
 
 test-parity-torch: venv clean-locks
 	ZERO3_PARITY_WORLDS=2 ZERO3_PARITY_ONLY=$(TORCH_SMOKE_SCENARIOS) $(BIN)/python -m pytest -q tests/parity/test_parity.py
+
+# Ours' exact counts where torch decides when a parameter is used: releases at last use in a recompute, and
+# persistent parameters under data-dependent routing.
+TORCH_COUNT_TESTS ?= tests/distributed/test_recompute_release.py tests/distributed/test_persistence_moe.py
+test-counts-torch: venv clean-locks
+	$(LAUNCH) $(DIST_PYTEST) $(TORCH_COUNT_TESTS); $(RELEASE_SHM)
 
 # Every supported deepspeed release (torch 2.13.0): unit, distributed and parity tests; then every torch of
 # TORCH_VERSIONS (deepspeed 0.19.8): unit tests and the torch parity smoke. One environment at a time, each in its
@@ -134,10 +141,13 @@ test-parity-torch: venv clean-locks
 TEST_VERSIONS ?= $(SUPPORTED_DEEPSPEED_VERSIONS)
 TEST_TORCH_VERSIONS ?= $(TORCH_VERSIONS)
 VERSION_SUITES ?= unit distributed parity
-TORCH_SUITES ?= unit parity-torch
+TORCH_SUITES ?= unit parity-torch counts-torch
 VERSIONS_OUT ?= versions-out
 # $(call run-suites,<results folder>,<suites>,<make variables>)
 define run-suites
+mkdir -p $(VERSIONS_OUT)/$(1); \
+echo "$$(git rev-parse --short=12 HEAD)$$(git diff --quiet HEAD -- src tests scripts Makefile setup.py pyproject.toml \
+  || echo ' + uncommitted changes'), $$(date -u +%F)" > $(VERSIONS_OUT)/$(1)/measured.txt; \
 for suite in $(2); do \
   out=$(VERSIONS_OUT)/$(1); mkdir -p $$out; rm -f $$out/$$suite.*; start=$$(date +%s); \
   echo "test-versions: $(3), $$suite (log $$out/$$suite.log)"; \

@@ -4,10 +4,14 @@
 
 RESULTS_DIR holds one folder per deepspeed release and one per torch release (``torch-<version>``), each with
 ``<suite>.log`` (the suite's whole output), ``<suite>.rc`` (its exit status), ``<suite>.seconds`` and
-``installed.txt`` (the venv's python, torch and deepspeed). Counts are read from pytest's closing lines ("3
-passed, 1 skipped in 2.1s"); a distributed suite prints one per rank, and the table shows rank 0's with a note
-when the ranks disagree. A supported release or a torch of the Makefile's matrix without results is listed as
-not run, so the tables never hide one. Standard library only: it runs with any python.
+``installed.txt`` (the venv's python, torch and deepspeed) and ``measured.txt`` (the commit the suites ran on
+and the day). Counts are read from pytest's closing lines ("3 passed, 1 skipped in 2.1s"); a distributed suite
+prints one per rank, and the table shows rank 0's with a note when the ranks disagree.
+
+A release without a results folder keeps its row from OUTPUT_MD as it was, with the commit and day it was
+measured on, so rerunning one release rewrites that row only; a supported release or a torch of the Makefile's
+matrix that has neither is listed as not run, so the tables never hide one. Standard library only: it runs with
+any python.
 """
 
 import datetime
@@ -28,7 +32,7 @@ def _tables():
     return module
 
 SUITES = ("unit", "distributed", "parity")
-TORCH_SUITES = ("unit", "parity-torch")
+TORCH_SUITES = ("unit", "parity-torch", "counts-torch")
 OUTCOMES = ("passed", "failed", "error", "skipped", "xfailed", "xpassed")
 _SUMMARY = re.compile(r"((?:\d+ (?:passed|failed|errors?|skipped|xfailed|xpassed|deselected|warnings?)"
                       r"(?:, )?)+) in [\d.]+s")
@@ -105,15 +109,49 @@ def installed(folder: Path) -> str:
     return path.read_text().strip().splitlines()[-1] if path.exists() and path.read_text().strip() else "not run"
 
 
-def render(results_dir: Path, versions, torches, today: str) -> str:
+def measured(folder: Path) -> str:
+    path = folder / "measured.txt"
+    return path.read_text().strip() if path.exists() and path.read_text().strip() else "not recorded"
+
+
+def previous_rows(text: str):
+    """The rows of an earlier page, by section and first cell. A table written before the page had its
+    ``measured`` column gets one: the day of that page, its commit not recorded."""
+    rows = {"deepspeed": {}, "torch": {}}
+    written = re.search(r"Last written: (\d{4}-\d{2}-\d{2})", text)
+    section, has_measured = None, True
+    for line in text.splitlines():
+        if line.startswith("## deepspeed releases"):
+            section = "deepspeed"
+        elif line.startswith("## torch releases"):
+            section = "torch"
+        elif section and line.startswith((f"| {section} |")):
+            has_measured = "| measured |" in line
+        elif section and line.startswith("| ") and not line.startswith("| ---"):
+            cells = [cell.strip() for cell in line.strip().strip("|").split(" | ")]
+            if not has_measured:
+                cells.insert(1, f"commit not recorded, {written.group(1) if written else 'day unknown'}")
+            rows[section][cells[0]] = cells
+    return rows
+
+
+def render(results_dir: Path, versions, torches, today: str, previous: str = "") -> str:
     table = _tables().markdown_table
+    kept = previous_rows(previous)
+
+    def row(section: str, name: str, folder: Path, cells, width: int):
+        if not folder.is_dir() and name in kept[section]:
+            # A suite added to the matrix since that row ran was not run for it.
+            return (kept[section][name] + ["not run"] * width)[:width]
+        return [name, measured(folder), *cells(folder)]
     lines = [
         "# Supported deepspeed and torch releases",
         "",
         "Written by `make test-versions` (scripts/versions_table.py) from the logs in `versions-out/`; do not edit",
         "by hand. Each environment is its own venv with this package, run one at a time. Counts are pytest's",
         "closing lines; `failed` includes errors; `not run` means that suite was not run for it in the run this",
-        "table comes from.",
+        "row comes from. `measured` is the commit the row ran on and the day; rerunning one release rewrites its",
+        "row only.",
         "",
         f"Last written: {today}.",
         "",
@@ -123,24 +161,31 @@ def render(results_dir: Path, versions, torches, today: str) -> str:
         "the parity tests (ours vs upstream's runtime of the same release, bitwise, 2 and 4 ranks).",
         "",
     ]
-    rows = [[version, *(cell(read_suite(results_dir / version, suite)) for suite in SUITES)] for version in versions]
-    lines.append(table(("deepspeed", *SUITES), rows, align="l" * (1 + len(SUITES))))
+    rows = [row("deepspeed", version, results_dir / version,
+                lambda folder: [cell(read_suite(folder, suite)) for suite in SUITES], 2 + len(SUITES))
+            for version in versions]
+    lines.append(table(("deepspeed", "measured", *SUITES), rows, align="l" * (2 + len(SUITES))))
     lines += [
         "",
         "## torch releases",
         "",
         "`torch==<version>` (PyPI's Linux build, run on the CPU), deepspeed 0.19.8: unit tests, and one 2-rank",
         "parity launch per runtime (ours vs upstream on that torch, bitwise) over the Makefile's",
-        "`TORCH_SMOKE_SCENARIOS`: training, eval alternation, `zero.Init`, checkpoint save/load, activation",
-        "checkpointing (reentrant and not), z3 leaves with data-dependent routing, and `torch.compile` with the",
-        "eager, aot_eager and inductor backends. A failure of upstream's own runtime on a torch shows in the",
-        "parity column with the test that reports it.",
+        "`TORCH_SMOKE_SCENARIOS`: training, eval alternation, `zero.Init`, checkpoint save/load, MiCS (where the",
+        "release has it), activation checkpointing with frozen parameters and LoRA with gradient checkpointing",
+        "(each reentrant and not), z3 leaves with data-dependent routing, and `torch.compile` with the eager,",
+        "aot_eager and inductor backends. A failure of upstream's own runtime on a torch shows in the parity",
+        "column with the test that reports it. Exact counts: ours' own counted tests where torch decides when a",
+        "parameter is used (`TORCH_COUNT_TESTS`: release at last use in a recompute, persistent parameters under",
+        "data-dependent routing), 2 ranks.",
         "",
     ]
-    rows = [[torch, installed(results_dir / f"torch-{torch}"),
-             *(cell(read_suite(results_dir / f"torch-{torch}", suite)) for suite in TORCH_SUITES)]
+    rows = [row("torch", torch, results_dir / f"torch-{torch}",
+                lambda folder: [installed(folder), *(cell(read_suite(folder, suite)) for suite in TORCH_SUITES)],
+                3 + len(TORCH_SUITES))
             for torch in torches]
-    lines.append(table(("torch", "installed", "unit", "parity smoke"), rows, align="llll"))
+    lines.append(table(("torch", "measured", "installed", "unit", "parity smoke", "exact counts"), rows,
+                       align="l" * (3 + len(TORCH_SUITES))))
     return "\n".join(lines) + "\n"
 
 
@@ -155,9 +200,10 @@ def main(argv):
         if results_dir.is_dir() else []
     if extra:
         sys.stderr.write(f"versions_table: ignoring results of releases outside the matrix {extra}\n")
+    previous = output.read_text() if output.exists() else ""
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(render(results_dir, versions, torches, datetime.datetime.now(datetime.timezone.utc)
-                             .strftime("%Y-%m-%d %H:%M UTC")))
+                             .strftime("%Y-%m-%d %H:%M UTC"), previous))
     print(output.read_text(), end="")
     return 0
 

@@ -45,13 +45,13 @@ def test_the_table_lists_every_supported_release_with_counts_or_not_run(tmp_path
     text = versions_table.render(results, versions_table.supported_versions(REPO), [], "today")
     rows = [line for line in text.splitlines() if line.startswith("| 0.19.")]
     assert rows == [
-        "| 0.19.4 | ok: 148 passed, 0 failed; 52 s | ok: 30 passed, 0 failed, 1 skipped (each of 2 ranks); 230 s "
+        "| 0.19.4 | not recorded | ok: 148 passed, 0 failed; 52 s | ok: 30 passed, 0 failed, 1 skipped (each of 2 ranks); 230 s "
         "| FAIL: 20 passed, 1 failed, 2 xfailed; 410 s |",
-        "| 0.19.5 | not run | not run | not run |",
-        "| 0.19.6 | not run | FAIL: stopped at its first failure (exit 2): `tests/distributed/test_x.py::test_y` "
+        "| 0.19.5 | not recorded | not run | not run | not run |",
+        "| 0.19.6 | not recorded | not run | FAIL: stopped at its first failure (exit 2): `tests/distributed/test_x.py::test_y` "
         "| not run |",
-        "| 0.19.7 | not run | not run | not run |",
-        "| 0.19.8 | no pytest summary (exit 2) | FAIL: 31 passed, 0 failed (ranks disagree: rank 0 shown); 9 s "
+        "| 0.19.7 | not recorded | not run | not run | not run |",
+        "| 0.19.8 | not recorded | no pytest summary (exit 2) | FAIL: 31 passed, 0 failed (ranks disagree: rank 0 shown); 9 s "
         "| not run |",
     ]
     assert "Last written: today." in text
@@ -62,16 +62,54 @@ def test_the_torch_table_lists_every_torch_of_the_matrix_with_what_was_installed
     write_suite(results / "torch-2.15.0", "unit", "252 passed, 1 skipped in 60.0s\n", 0, 61)
     write_suite(results / "torch-2.15.0", "parity-torch", "10 passed in 90.0s\n", 0, 95)
     (results / "torch-2.15.0" / "installed.txt").write_text("python 3.11.7, torch 2.15.0, deepspeed 0.19.8\n")
+    (results / "torch-2.15.0" / "measured.txt").write_text("0123456789ab, 2026-12-03\n")
     write_suite(results / "torch-2.11.0", "unit", "ImportError: cannot import name 'x'\n", 4, 3)
 
     text = versions_table.render(results, [], ["2.11.0", "2.13.0", "2.15.0"], "today")
     rows = [line for line in text.splitlines() if line.startswith("| 2.1")]
     assert rows == [
-        "| 2.11.0 | not run | no pytest summary (exit 4) | not run |",
-        "| 2.13.0 | not run | not run | not run |",
-        "| 2.15.0 | python 3.11.7, torch 2.15.0, deepspeed 0.19.8 | ok: 252 passed, 0 failed, 1 skipped; 61 s "
-        "| ok: 10 passed, 0 failed; 95 s |",
+        "| 2.11.0 | not recorded | not run | no pytest summary (exit 4) | not run | not run |",
+        "| 2.13.0 | not recorded | not run | not run | not run | not run |",
+        "| 2.15.0 | 0123456789ab, 2026-12-03 | python 3.11.7, torch 2.15.0, deepspeed 0.19.8 | ok: 252 passed, 0 failed, 1 skipped; 61 s "
+        "| ok: 10 passed, 0 failed; 95 s | not run |",
     ]
+
+
+OLD_PAGE = """Last written: 2026-12-02 17:54 UTC.
+
+## deepspeed releases
+
+| deepspeed | unit | distributed | parity |
+| --- | --- | --- | --- |
+| 0.19.4 | ok: 256 passed, 0 failed; 57 s | not run | not run |
+| 0.19.8 | ok: 1 passed, 0 failed; 5 s | not run | not run |
+
+## torch releases
+
+| torch | installed | unit | parity smoke |
+| --- | --- | --- | --- |
+| 2.13.0 | python 3.11.7, torch 2.13.0 | ok: 254 passed, 0 failed; 20 s | ok: 14 passed, 0 failed; 87 s |
+"""
+
+
+def test_a_release_without_results_keeps_its_row_from_the_page_and_one_rerun_rewrites_its_own(tmp_path):
+    results = tmp_path / "versions-out"
+    write_suite(results / "0.19.8", "unit", "250 passed in 9.0s\n", 0, 10)
+    (results / "0.19.8" / "measured.txt").write_text("0123456789ab + uncommitted changes, 2026-12-03\n")
+
+    text = versions_table.render(results, ["0.19.4", "0.19.8"], ["2.13.0", "2.15.0"], "today", OLD_PAGE)
+    rows = [line for line in text.splitlines() if line.startswith(("| 0.19.", "| 2.1"))]
+    assert rows == [
+        "| 0.19.4 | commit not recorded, 2026-12-02 | ok: 256 passed, 0 failed; 57 s | not run | not run |",
+        "| 0.19.8 | 0123456789ab + uncommitted changes, 2026-12-03 | ok: 250 passed, 0 failed; 10 s | not run "
+        "| not run |",
+        # The page's row, and "not run" for the suite added since.
+        "| 2.13.0 | commit not recorded, 2026-12-02 | python 3.11.7, torch 2.13.0 | ok: 254 passed, 0 failed; 20 s "
+        "| ok: 14 passed, 0 failed; 87 s | not run |",
+        "| 2.15.0 | not recorded | not run | not run | not run | not run |",
+    ]
+    # A page in the current layout is carried over cell for cell.
+    assert versions_table.render(tmp_path / "none", ["0.19.4", "0.19.8"], ["2.13.0", "2.15.0"], "today", text) == text
 
 
 def test_the_torch_matrix_is_read_from_the_makefile():
