@@ -187,6 +187,8 @@ def eval_then_load_weights_into_an_inference_engine(run, args):
 
     torch.manual_seed(39)
     loaded = {name: value * 0.5 for name, value in model_b().state_dict().items()}
+    plain = model_b()
+    plain.load_state_dict(loaded)
     torch.manual_seed(40)
     model = model_b()
     engine = run.engine(inference_engine(model, zero3_config(**DEFAULT_KEYS)))
@@ -194,8 +196,15 @@ def eval_then_load_weights_into_an_inference_engine(run, args):
         for step in range(3):
             run.loss(engine(batch(step, _rank())).square().mean().item())
         engine.load_module_state_dict({"module": loaded}, fetch_z3_params=True)
-        for step in range(3, 5):
-            run.loss(engine(batch(step, _rank())).square().mean().item())
+        after_load = [engine(batch(step, _rank())).square().mean().item() for step in (3, 4)]
+        for value in after_load:
+            run.loss(value)
         engine.empty_partition_cache()
         run.loss(engine(batch(5, _rank())).square().mean().item())
+        # Whether the load reached the model on every rank: the plain model under the same load, bitwise.
+        # Upstream 0.19.4-0.19.7's loader (GatheredParameters over every parameter) waits only for the last gloo
+        # all-gather, so under upstream a load can land in a buffer a gather is still filling.
+        reached = torch.tensor([int(after_load == [plain(batch(s, _rank())).square().mean().item() for s in (3, 4)])])
+    torch.distributed.all_reduce(reached, op=torch.distributed.ReduceOp.MIN)
+    run.extra["load_reached_the_model"] = bool(reached.item())
     run.hash_params(model)
