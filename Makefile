@@ -116,8 +116,8 @@ test-smoke: test-unit test-parity-smoke
 test-parity-smoke: venv clean-locks
 	ZERO3_PARITY_WORLDS=2 ZERO3_PARITY_ONLY=$(SMOKE_SCENARIOS) $(BIN)/python -m pytest -q tests/parity/test_parity.py
 
-# The same for another torch, with the scenarios whose paths go through torch itself: checkpointing (reentrant
-# and not), z3 leaves and routing, and torch.compile with its three backends.
+# The same for another torch, with the scenarios whose paths go through torch itself: checkpointing and LoRA with
+# gradient checkpointing (reentrant and not), z3 leaves and routing, and torch.compile with its three backends.
 TORCH_SMOKE_SCENARIOS ?= $(SMOKE_SCENARIOS),activation_checkpointing_frozen,activation_checkpointing_frozen_nonreentrant
 TORCH_SMOKE_SCENARIOS := $(TORCH_SMOKE_SCENARIOS),lora_checkpointing_nonreentrant,lora_checkpointing_reentrant
 TORCH_SMOKE_SCENARIOS := $(TORCH_SMOKE_SCENARIOS),z3_leaf_modules,moe_expert_leaves_default_persistence
@@ -134,7 +134,7 @@ test-counts-torch: venv clean-locks
 	$(LAUNCH) $(DIST_PYTEST) $(TORCH_COUNT_TESTS); $(RELEASE_SHM)
 
 # Every supported deepspeed release (torch 2.13.0): unit, distributed and parity tests; then every torch of
-# TORCH_VERSIONS (deepspeed 0.19.8): unit tests and the torch parity smoke. One environment at a time, each in its
+# TORCH_VERSIONS (deepspeed 0.19.8): unit tests, the torch parity smoke and the exact counts. One environment at a time, each in its
 # own venv; logs in versions-out/<release>/ and versions-out/torch-<version>/, then the tables in
 # docs/compat/versions.md. A subset reruns only those (the tables keep the others' last results):
 # make test-versions TEST_VERSIONS=0.19.4 TEST_TORCH_VERSIONS=  (an empty list skips that matrix)
@@ -144,12 +144,13 @@ VERSION_SUITES ?= unit distributed parity
 TORCH_SUITES ?= unit parity-torch counts-torch
 VERSIONS_OUT ?= versions-out
 # $(call run-suites,<results folder>,<suites>,<make variables>)
+# Each suite records the commit it starts on (a rerun of one suite, or a commit made while another runs, must not
+# relabel the others).
 define run-suites
-mkdir -p $(VERSIONS_OUT)/$(1); \
-echo "$$(git rev-parse --short=12 HEAD)$$(git diff --quiet HEAD -- src tests scripts Makefile setup.py pyproject.toml \
-  || echo ' + uncommitted changes'), $$(date -u +%F)" > $(VERSIONS_OUT)/$(1)/measured.txt; \
 for suite in $(2); do \
   out=$(VERSIONS_OUT)/$(1); mkdir -p $$out; rm -f $$out/$$suite.*; start=$$(date +%s); \
+  echo "$$(git rev-parse --short=12 HEAD)$$(git diff --quiet HEAD -- src tests scripts Makefile setup.py \
+    pyproject.toml || echo ' + uncommitted changes'), $$(date -u +%F)" > $$out/$$suite.measured; \
   echo "test-versions: $(3), $$suite (log $$out/$$suite.log)"; \
   env -u TORCH_EXTENSIONS_DIR -u PIP_CONSTRAINT $(MAKE) --no-print-directory test-$$suite $(3) > $$out/$$suite.log 2>&1; \
   echo $$? > $$out/$$suite.rc; echo $$(( $$(date +%s) - start )) > $$out/$$suite.seconds; \

@@ -4,8 +4,8 @@
 
 RESULTS_DIR holds one folder per deepspeed release and one per torch release (``torch-<version>``), each with
 ``<suite>.log`` (the suite's whole output), ``<suite>.rc`` (its exit status), ``<suite>.seconds`` and
-``installed.txt`` (the venv's python, torch and deepspeed) and ``measured.txt`` (the commit the suites ran on
-and the day). Counts are read from pytest's closing lines ("3 passed, 1 skipped in 2.1s"); a distributed suite
+``<suite>.measured`` (the commit it started on and the day; results written before there was one per suite
+have a folder-wide ``measured.txt``) and ``installed.txt`` (the venv's python, torch and deepspeed). Counts are read from pytest's closing lines ("3 passed, 1 skipped in 2.1s"); a distributed suite
 prints one per rank, and the table shows rank 0's with a note when the ranks disagree.
 
 A release without a results folder keeps its row from OUTPUT_MD as it was, with the commit and day it was
@@ -104,14 +104,24 @@ def cell(result) -> str:
     return text
 
 
+def _text(path: Path):
+    return path.read_text().strip() if path.exists() and path.read_text().strip() else None
+
+
 def installed(folder: Path) -> str:
-    path = folder / "installed.txt"
-    return path.read_text().strip().splitlines()[-1] if path.exists() and path.read_text().strip() else "not run"
+    text = _text(folder / "installed.txt")
+    return text.splitlines()[-1] if text else "not run"
 
 
-def measured(folder: Path) -> str:
-    path = folder / "measured.txt"
-    return path.read_text().strip() if path.exists() and path.read_text().strip() else "not recorded"
+def measured(folder: Path, suites) -> str:
+    """The commit and day the row's suites ran on; one value when they agree, else each suite's."""
+    per_suite = {suite: _text(folder / f"{suite}.measured") for suite in suites}
+    per_suite = {suite: value for suite, value in per_suite.items() if value}
+    if not per_suite:
+        return _text(folder / "measured.txt") or "not recorded"
+    if len(set(per_suite.values())) == 1:
+        return next(iter(per_suite.values()))
+    return "; ".join(f"{suite}: {value}" for suite, value in per_suite.items())
 
 
 def previous_rows(text: str):
@@ -125,7 +135,7 @@ def previous_rows(text: str):
             section = "deepspeed"
         elif line.startswith("## torch releases"):
             section = "torch"
-        elif section and line.startswith((f"| {section} |")):
+        elif section and line.startswith(f"| {section} |"):
             has_measured = "| measured |" in line
         elif section and line.startswith("| ") and not line.startswith("| ---"):
             cells = [cell.strip() for cell in line.strip().strip("|").split(" | ")]
@@ -139,19 +149,19 @@ def render(results_dir: Path, versions, torches, today: str, previous: str = "")
     table = _tables().markdown_table
     kept = previous_rows(previous)
 
-    def row(section: str, name: str, folder: Path, cells, width: int):
+    def row(section: str, name: str, folder: Path, suites, cells, width: int):
         if not folder.is_dir() and name in kept[section]:
             # A suite added to the matrix since that row ran was not run for it.
             return (kept[section][name] + ["not run"] * width)[:width]
-        return [name, measured(folder), *cells(folder)]
+        return [name, measured(folder, suites), *cells(folder)]
     lines = [
         "# Supported deepspeed and torch releases",
         "",
         "Written by `make test-versions` (scripts/versions_table.py) from the logs in `versions-out/`; do not edit",
         "by hand. Each environment is its own venv with this package, run one at a time. Counts are pytest's",
         "closing lines; `failed` includes errors; `not run` means that suite was not run for it in the run this",
-        "row comes from. `measured` is the commit the row ran on and the day; rerunning one release rewrites its",
-        "row only.",
+        "row comes from. `measured` is the commit the row's suites ran on and the day (each suite's when they",
+        "differ); rerunning one release rewrites its row only.",
         "",
         f"Last written: {today}.",
         "",
@@ -161,7 +171,7 @@ def render(results_dir: Path, versions, torches, today: str, previous: str = "")
         "the parity tests (ours vs upstream's runtime of the same release, bitwise, 2 and 4 ranks).",
         "",
     ]
-    rows = [row("deepspeed", version, results_dir / version,
+    rows = [row("deepspeed", version, results_dir / version, SUITES,
                 lambda folder: [cell(read_suite(folder, suite)) for suite in SUITES], 2 + len(SUITES))
             for version in versions]
     lines.append(table(("deepspeed", "measured", *SUITES), rows, align="l" * (2 + len(SUITES))))
@@ -180,7 +190,7 @@ def render(results_dir: Path, versions, torches, today: str, previous: str = "")
         "data-dependent routing), 2 ranks.",
         "",
     ]
-    rows = [row("torch", torch, results_dir / f"torch-{torch}",
+    rows = [row("torch", torch, results_dir / f"torch-{torch}", TORCH_SUITES,
                 lambda folder: [installed(folder), *(cell(read_suite(folder, suite)) for suite in TORCH_SUITES)],
                 3 + len(TORCH_SUITES))
             for torch in torches]

@@ -195,6 +195,7 @@ def eval_then_load_weights_into_an_inference_engine(run, args):
     with torch.no_grad():
         for step in range(3):
             run.loss(engine(batch(step, _rank())).square().mean().item())
+        run.extra["losses_before_load"] = len(run.losses)
         engine.load_module_state_dict({"module": loaded}, fetch_z3_params=True)
         after_load = [engine(batch(step, _rank())).square().mean().item() for step in (3, 4)]
         for value in after_load:

@@ -95,7 +95,7 @@ OLD_PAGE = """Last written: 2026-12-02 17:54 UTC.
 def test_a_release_without_results_keeps_its_row_from_the_page_and_one_rerun_rewrites_its_own(tmp_path):
     results = tmp_path / "versions-out"
     write_suite(results / "0.19.8", "unit", "250 passed in 9.0s\n", 0, 10)
-    (results / "0.19.8" / "measured.txt").write_text("0123456789ab + uncommitted changes, 2026-12-03\n")
+    (results / "0.19.8" / "unit.measured").write_text("0123456789ab + uncommitted changes, 2026-12-03\n")
 
     text = versions_table.render(results, ["0.19.4", "0.19.8"], ["2.13.0", "2.15.0"], "today", OLD_PAGE)
     rows = [line for line in text.splitlines() if line.startswith(("| 0.19.", "| 2.1"))]
@@ -110,6 +110,21 @@ def test_a_release_without_results_keeps_its_row_from_the_page_and_one_rerun_rew
     ]
     # A page in the current layout is carried over cell for cell.
     assert versions_table.render(tmp_path / "none", ["0.19.4", "0.19.8"], ["2.13.0", "2.15.0"], "today", text) == text
+
+
+def test_each_suite_names_the_commit_it_ran_on_when_they_differ(tmp_path):
+    folder = tmp_path / "versions-out" / "0.19.4"
+    for suite, commit in (("unit", "aaaaaaaaaaaa"), ("distributed", "aaaaaaaaaaaa"), ("parity", "bbbbbbbbbbbb")):
+        write_suite(folder, suite, "1 passed in 1.0s\n", 0, 1)
+        (folder / f"{suite}.measured").write_text(f"{commit}, 2026-12-03\n")
+    (folder / "measured.txt").write_text("cccccccccccc, 2026-12-02\n")  # folder-wide: used only without these
+    assert versions_table.measured(folder, versions_table.SUITES) == (
+        "unit: aaaaaaaaaaaa, 2026-12-03; distributed: aaaaaaaaaaaa, 2026-12-03; parity: bbbbbbbbbbbb, 2026-12-03")
+    (folder / "parity.measured").write_text("aaaaaaaaaaaa, 2026-12-03\n")
+    assert versions_table.measured(folder, versions_table.SUITES) == "aaaaaaaaaaaa, 2026-12-03"
+    for suite in versions_table.SUITES:
+        (folder / f"{suite}.measured").unlink()
+    assert versions_table.measured(folder, versions_table.SUITES) == "cccccccccccc, 2026-12-02"
 
 
 def test_the_torch_matrix_is_read_from_the_makefile():
