@@ -75,8 +75,8 @@ def overlay_decision():
         supported = describe_supported()
         _warn_once(("version", found),
                    f"deepspeed-zero3 supports deepspeed {supported}, but deepspeed {found} is installed; "
-                   f"the overlay is off and upstream's ZeRO-3 runtime runs unmodified. Install one of "
-                   f"{', '.join(SUPPORTED_DEEPSPEED_VERSIONS)} to use it.")
+                   f"the overlay is off and upstream's ZeRO-3 runtime runs unmodified. Install a supported "
+                   f"release to use it.")
         return False, f"deepspeed {found} is not a supported version ({supported})"
     return True, f"deepspeed {found} is supported"
 

@@ -27,7 +27,8 @@ COORDINATOR = "deepspeed.runtime.zero.partitioned_param_coordinator"
 # The release this venv holds (make test DEEPSPEED_VERSION=... picks it); it must be one of the supported set.
 SUPPORTED = activation.installed_deepspeed_version()
 assert SUPPORTED in SUPPORTED_DEEPSPEED_VERSIONS, (SUPPORTED, SUPPORTED_DEEPSPEED_VERSIONS)
-SUPPORTED_LIST = ", ".join(SUPPORTED_DEEPSPEED_VERSIONS)
+SUPPORTED_LIST = describe_supported()
+RANGE = "0.16.0-0.19.8"
 SKIPPED = "deepspeed-zero3: activation skipped ("
 
 
@@ -82,7 +83,9 @@ print("RESULT " + json.dumps({
     "offload_in_sys_modules": sys.modules["deepspeed.runtime.zero.parameter_offload"] is o_offload,
     "coordinator_in_sys_modules": sys.modules["deepspeed.runtime.zero.partitioned_param_coordinator"] is o_coord,
     "parent_attribute": deepspeed.runtime.zero.parameter_offload is o_offload,
-    "zero_package_class": deepspeed.runtime.zero.DeepSpeedZeRoOffload is o_offload.DeepSpeedZeRoOffload,
+    # deepspeed.runtime.zero exports the class on some releases only.
+    "zero_package_class": getattr(deepspeed.runtime.zero, "DeepSpeedZeRoOffload", o_offload.DeepSpeedZeRoOffload)
+                          is o_offload.DeepSpeedZeRoOffload,
     "engine_class": deepspeed.runtime.engine.DeepSpeedZeRoOffload is o_offload.DeepSpeedZeRoOffload,
     "offload_file": m_offload.__file__,
     "coordinator_file": m_coord.__file__,
@@ -193,7 +196,7 @@ def test_unknown_kill_switch_value_warns_once_and_keeps_the_overlay_on(monkeypat
     assert [type(s.loader).__name__ for s in specs] == ["_AliasLoader"] * 4
     assert [s.loader.impl_name for s in specs[:2]] == list(OVERLAID_MODULES.values())
     assert [s.name for s in specs[:2]] == list(OVERLAID_MODULES)
-    assert [w.category for w in caught] == [RuntimeWarning]
+    assert [w.category for w in caught if not issubclass(w.category, DeprecationWarning)] == [RuntimeWarning]
     assert str(caught[0].message) == ("deepspeed-zero3: DEEPSPEED_ZERO3='maybe' is not understood; use 1 (overlay on) "
                                       "or 0 (upstream untouched). Keeping the overlay on.")
 
@@ -255,20 +258,25 @@ def test_unsupported_deepspeed_version_warns_once_and_runs_upstream(tmp_path):
     # The fake metadata comes first on sys.path, so it is what the version check reads.
     assert result["installed"] == "9.9.9"
     assert result["specs"] == ["None"] * 4
-    assert result["decision"] == [False, "deepspeed 9.9.9 is not a supported version (0.19.4-0.19.8)"]
+    assert result["decision"] == [False, f"deepspeed 9.9.9 is not a supported version ({RANGE})"]
     upstream = SITE_PACKAGES / "deepspeed" / "runtime" / "zero"
     assert Path(result["offload_file"]).resolve() == upstream / "parameter_offload.py"
     assert Path(result["coordinator_file"]).resolve() == upstream / "partitioned_param_coordinator.py"
     assert result["ours_loaded"] == []
     assert result["runtime_warnings"] == [
-        "deepspeed-zero3 supports deepspeed 0.19.4-0.19.8, but deepspeed 9.9.9 is installed; the overlay is off "
-        f"and upstream's ZeRO-3 runtime runs unmodified. Install one of {SUPPORTED_LIST} to use it."
+        f"deepspeed-zero3 supports deepspeed {RANGE}, but deepspeed 9.9.9 is installed; the overlay is off "
+        f"and upstream's ZeRO-3 runtime runs unmodified. Install a supported release to use it."
     ]
 
 
-def test_the_supported_set_is_0_19_4_to_0_19_8():
-    assert SUPPORTED_DEEPSPEED_VERSIONS == ("0.19.4", "0.19.5", "0.19.6", "0.19.7", "0.19.8")
-    assert describe_supported() == "0.19.4-0.19.8"
+def test_the_supported_set_is_every_release_from_0_16_0_to_0_19_8():
+    last_patch = {16: 9, 17: 6, 18: 9, 19: 8}
+    assert SUPPORTED_DEEPSPEED_VERSIONS == tuple(f"0.{minor}.{patch}" for minor, last in last_patch.items()
+                                                 for patch in range(last + 1))
+    assert len(SUPPORTED_DEEPSPEED_VERSIONS) == 36
+    assert describe_supported() == RANGE
+    assert describe_supported(("0.19.4", "0.19.5", "0.19.6", "0.19.7", "0.19.8")) == "0.19.4-0.19.8"
+    assert describe_supported(("0.18.8", "0.18.9", "0.19.0", "0.19.1")) == "0.18.8, 0.18.9, 0.19.0, 0.19.1"
     assert describe_supported(("0.19.8", )) == "0.19.8"
     assert describe_supported(("0.19.4", "0.19.6", "0.19.8")) == "0.19.4, 0.19.6, 0.19.8"
 
@@ -285,7 +293,7 @@ def test_every_supported_version_turns_the_overlay_on_silently(monkeypatch, vers
 
 
 # Just below and above the range, a later minor, and a dev build of a supported release: membership, not a span.
-@pytest.mark.parametrize("version", ["0.19.3", "0.19.9", "0.20.0", "0.19.8+abc123"])
+@pytest.mark.parametrize("version", ["0.15.4", "0.19.9", "0.20.0", "0.19.8+abc123"])
 def test_a_version_outside_the_supported_set_warns_once_and_runs_upstream(monkeypatch, version):
     monkeypatch.delenv("DEEPSPEED_ZERO3", raising=False)
     monkeypatch.setattr(activation, "_warned", set())
@@ -295,11 +303,11 @@ def test_a_version_outside_the_supported_set_warns_once_and_runs_upstream(monkey
         decisions = [activation.overlay_decision() for _ in range(3)]
         specs = [activation.OverlayFinder().find_spec(name) for name in OVERLAID_MODULES]
 
-    assert decisions == [(False, f"deepspeed {version} is not a supported version (0.19.4-0.19.8)")] * 3
+    assert decisions == [(False, f"deepspeed {version} is not a supported version ({RANGE})")] * 3
     assert specs == [None, None]
     assert [str(w.message) for w in caught] == [
-        f"deepspeed-zero3 supports deepspeed 0.19.4-0.19.8, but deepspeed {version} is installed; the overlay is "
-        f"off and upstream's ZeRO-3 runtime runs unmodified. Install one of {SUPPORTED_LIST} to use it."
+        f"deepspeed-zero3 supports deepspeed {RANGE}, but deepspeed {version} is installed; the overlay is "
+        f"off and upstream's ZeRO-3 runtime runs unmodified. Install a supported release to use it."
     ]
 
 
@@ -315,7 +323,7 @@ def setup_py_functions():
 
 
 def test_setup_py_requires_the_span_of_the_supported_set():
-    assert setup_py_functions()["supported_deepspeed_requirement"]() == "deepspeed>=0.19.4,<=0.19.8"
+    assert setup_py_functions()["supported_deepspeed_requirement"]() == "deepspeed>=0.16.0,<=0.19.8"
 
 
 def test_setup_py_requires_the_measured_torch_series():
@@ -344,10 +352,16 @@ def module_lines(lines):
     return {name: Path(origin).resolve() for name, origin in pairs}
 
 
+def status_lines(stdout):
+    """The command's own lines: deepspeed's logger prints to stdout too (before 0.17, at INFO when it picks the
+    accelerator)."""
+    return [line for line in stdout.splitlines() if not line.startswith("[20")]
+
+
 def test_status_command_reports_active(tmp_path):
     proc = run_python(["-m", "deepspeed_zero3"], cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
-    lines = proc.stdout.splitlines()
+    lines = status_lines(proc.stdout)
     assert lines[0] == f"deepspeed-zero3 {__version__}: overlay ACTIVE (deepspeed {SUPPORTED} is supported)"
     assert lines[1] == f"upstream deepspeed: {SUPPORTED} (supported: {SUPPORTED_LIST})"
     ours = SITE_PACKAGES / "deepspeed_zero3" / "runtime" / "zero"
@@ -360,7 +374,7 @@ def test_status_command_reports_active(tmp_path):
 def test_status_command_reports_kill_switch(tmp_path):
     proc = run_python(["-m", "deepspeed_zero3"], cwd=tmp_path, env={"DEEPSPEED_ZERO3": "0"})
     assert proc.returncode == 0, proc.stderr
-    lines = proc.stdout.splitlines()
+    lines = status_lines(proc.stdout)
     assert lines[0] == f"deepspeed-zero3 {__version__}: overlay INACTIVE (DEEPSPEED_ZERO3=0 (kill switch))"
     assert lines[1] == f"upstream deepspeed: {SUPPORTED} (supported: {SUPPORTED_LIST})"
     upstream = SITE_PACKAGES / "deepspeed" / "runtime" / "zero"
@@ -416,3 +430,17 @@ def test_broken_package_shadowing_the_install_does_not_break_start(tmp_path):
     lines = proc.stderr.splitlines()
     assert 1 <= len(lines) <= 2, proc.stderr
     assert set(lines) == {"deepspeed-zero3: activation skipped (OSError('no can do')); upstream DeepSpeed runs unmodified"}
+
+
+def test_status_check_exits_non_zero_only_when_inactive(tmp_path):
+    active = run_python(["-m", "deepspeed_zero3", "--check"], cwd=tmp_path)
+    inactive = run_python(["-m", "deepspeed_zero3", "--check"], cwd=tmp_path, env={"DEEPSPEED_ZERO3": "0"})
+    assert (active.returncode, inactive.returncode) == (0, 1), (active.stderr, inactive.stderr)
+    assert "overlay INACTIVE" in inactive.stdout
+
+
+def test_status_help_describes_the_command(tmp_path):
+    proc = run_python(["-m", "deepspeed_zero3", "--help"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("usage: python -m deepspeed_zero3 [-h] [--check]")
+    assert "--check" in proc.stdout and "exit with status 1 when the overlay is inactive" in proc.stdout

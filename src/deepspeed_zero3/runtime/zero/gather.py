@@ -18,8 +18,9 @@ from typing import Deque, Iterable, List
 from torch.nn import Parameter
 
 from deepspeed.accelerator import get_accelerator
-from deepspeed.runtime.zero.partition_parameters import (DS_Z3_GATHERED_PARAM_CONTEXT_DEPTH_ATTR, AllGatherCoalescedHandle,
-                                                         ZeroParamStatus)
+from deepspeed.runtime.zero.partition_parameters import AllGatherCoalescedHandle, ZeroParamStatus
+
+from deepspeed_zero3.runtime.zero.capabilities import HELD_MARK_ATTR
 
 MAX_QUEUED_FETCH_EVENTS = 2
 
@@ -164,6 +165,6 @@ def held_by_gathered_parameters(param: Parameter) -> bool:
 
     Such a parameter is the context's, not ours: released under it, a module that uses it again (or the
     backward that it was kept for) would gather it again, and inside the context a forward may run on one
-    rank only. Upstream marks these parameters with a context depth; its own coordinator ignores it.
+    rank only. Upstream marks these parameters with a context depth (from 0.19.4); its own coordinator ignores it.
     """
-    return getattr(param, DS_Z3_GATHERED_PARAM_CONTEXT_DEPTH_ATTR, 0) > 0
+    return getattr(param, HELD_MARK_ATTR, 0) > 0  # [Note: release capabilities]

@@ -14,6 +14,8 @@ import torch
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus, register_external_parameter
 from deepspeed.utils.logging import logger
 
+from deepspeed_zero3.runtime.zero import capabilities
+from deepspeed_zero3.runtime.zero.capabilities import is_dynamo_guard_evaluation
 from deepspeed_zero3.runtime.zero.gather import held_by_gathered_parameters
 from deepspeed_zero3.runtime.zero.hooks import FWD_MODULE_STACK
 from deepspeed_zero3.runtime.zero.param_registry import REGISTRY_ATTR, find_registry
@@ -42,11 +44,11 @@ class ZeROOrderedDict(OrderedDict):
         if not self._parent_module._parameters._in_forward:
             return param
 
-        # DeepCompile's eager fallback tracks parameter reads itself (imported lazily: it pulls in compile).
-        from deepspeed.compile.z3_eager_fallback import get_active_z3_eager_fallback, is_dynamo_guard_evaluation
-        fallback = get_active_z3_eager_fallback()
+        # DeepCompile's eager fallback tracks parameter reads itself, where the release has one ([Note: release
+        # capabilities]).
+        fallback = capabilities.active_eager_fallback()
         if fallback is not None and param.ds_status == ZeroParamStatus.AVAILABLE and not is_dynamo_guard_evaluation():
-            fallback.record_param_access(param)
+            capabilities.record_param_access(fallback, param)
 
         if param.ds_status != ZeroParamStatus.NOT_AVAILABLE:
             if fallback is None and _gathered_ahead_unclaimed(param):

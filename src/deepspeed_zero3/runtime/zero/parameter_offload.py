@@ -20,6 +20,8 @@ from deepspeed_zero3.runtime.zero.upstream_names import *  # noqa: F401,F403  [N
 from deepspeed_zero3.runtime.zero.upstream_names import (_apply_forward_and_backward_to_tensors_only,  # noqa: F401
                                                          _init_external_params, _inject_parameters)
 
+import functools
+import inspect
 import sys
 
 import torch
@@ -29,6 +31,7 @@ from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
 from deepspeed.runtime.zero.partition_parameters import Init
 from deepspeed.runtime.zero.utils import is_zero_param
 
+from deepspeed_zero3.runtime.zero import capabilities
 from deepspeed_zero3.runtime.zero.gather import InflightParamRegistry
 from deepspeed_zero3.runtime.zero.hooks import FWD_MODULE_STACK, handle_is_live, pop_forward_module
 from deepspeed_zero3.runtime.zero.leaf_granularity import apply_granularity_threshold, check_granularity_threshold
@@ -38,6 +41,19 @@ from deepspeed_zero3.runtime.zero.param_registry import ParamStateRegistry, find
 from deepspeed_zero3.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
 from deepspeed_zero3.runtime.zero.settings import PrefetchSettings
 from deepspeed_zero3.runtime.zero.zenflow_params import ZenFlowParamLayout, check_zenflow_params
+
+
+def without_argument(function, name):
+    """``function`` with its argument ``name`` removed from the signature (it takes its default)."""
+    signature = inspect.signature(function)
+    reduced = signature.replace(parameters=[p for p in signature.parameters.values() if p.name != name])
+
+    @functools.wraps(function)
+    def call(*args, **kwargs):
+        return function(**reduced.bind(*args, **kwargs).arguments)
+
+    call.__signature__ = reduced
+    return call
 
 
 def _group_ranks(group):
@@ -92,8 +108,9 @@ class DeepSpeedZeRoOffload:
         self.zero_quantized_nontrainable_weights = zero_quantized_nontrainable_weights
         self.log_trace_cache_warnings = log_trace_cache_warnings
         self.zero_module_granularity_threshold = zero_module_granularity_threshold
-        # Upstream's meaning: any threshold turns on fast sharding of z3 leaves ([Note: fast sharding for leaf modules]).
-        self.fast_sharding_for_leaf_module = zero_module_granularity_threshold > 0
+        # Upstream's meaning: any threshold turns on fast sharding of z3 leaves ([Note: fast sharding for leaf modules]),
+        # on a release that has it ([Note: release capabilities]).
+        self.fast_sharding_for_leaf_module = zero_module_granularity_threshold > 0 and capabilities.FAST_LEAF_SHARDING
         if offload_param_config is not None and offload_param_config.device != OffloadDeviceEnum.none:
             self.offload_device = offload_param_config.device
             self.offload_param_pin_memory = offload_param_config.pin_memory
@@ -150,6 +167,11 @@ class DeepSpeedZeRoOffload:
         registry.add_owner(self, self.settings)
 
     # ---------------------------------------------------------------- construction helpers
+
+    if not capabilities.ZENFLOW:
+        # [Note: release capabilities] Before ZenFlow the 4th argument is overlap_comm: a positional call of that
+        # release must bind as it does there.
+        __init__ = without_argument(__init__, "zenflow")
 
     def _fixed_settings(self):
         return {
@@ -217,6 +239,9 @@ class DeepSpeedZeRoOffload:
     def _register_deepspeed_module(self, module, count=None):
         """Hook ``module``'s tree (idempotent: puts back hooks that were removed, e.g. for generation)."""
         self.registry.adopt_tree(module)
+
+    # Its name before 0.16.4, which stage 3 and client libraries (TRL's add_hooks) call on those releases.
+    _register_hooks_recursively = _register_deepspeed_module
 
     @property
     def forward_hooks(self):

@@ -4,8 +4,8 @@
 What differs from upstream, in one place:
 
 * Passes, not steps. A forward pass runs from the root module's pre-forward hook to its
-  forward hook; a backward pass from the first backward hook to the end of
-  ``engine.backward()``. Each follows its own trace (``trace.py``) with its own
+  forward hook; a backward pass from the first backward hook to the completion of
+  its autograd graph task ([Note: the end of a backward]). Each follows its own trace (``trace.py``) with its own
   prefetcher (``prefetch.py``), so prefetching never crosses from forward into backward
   ([Note: one prefetcher per pass]). The running pass is one object ([Note: the running pass]).
 * The pass kind comes from grad mode and from whether the autograd engine is running,
@@ -230,11 +230,31 @@ class PartitionedParameterCoordinator:
         with self.lock:
             running = self._begin_pass(PassKind.BACKWARD,
                                        self.prediction.backward_guess(self.keeping.awaiting, self.traces))
-            if in_autograd_engine():
-                torch.autograd.Variable._execution_engine.queue_callback(running.mark_autograd_finished)
+            if in_autograd_engine():  # [Note: the end of a backward]
+                torch.autograd.Variable._execution_engine.queue_callback(lambda: self._autograd_finished(running))
             # Prime: the first backward module should find its parameters in flight.
             self._prefetch(running, step=-1)
             return running
+
+    @eager_only  # [Note: what Dynamo may trace]
+    @torch.no_grad()
+    def _autograd_finished(self, running: RunningPass) -> None:
+        """[Note: the end of a backward]
+        A backward pass ends when the autograd graph task that began it completes: a callback queued on
+        that task at the pass's first backward hook closes it, releasing what the backward still holds
+        (modules whose post-backward never fired), recording its trace and checking the ranks' order.
+        That is the one place, on every supported release: stage 3 calls ``release_backward_leftovers``
+        after ``engine.backward()`` only from 0.19.3, and a direct ``loss.backward()`` never does, so
+        waiting for it would leave the leftovers gathered until the next forward or ``step()``. A graph
+        task that raises runs no callback: its pass stays open and the next boundary closes it as aborted
+        ([Note: a backward that raised]). ``release_backward_leftovers`` then finds no backward running.
+        The callback runs before stage 3's own end-of-backward callbacks, which were queued later; they
+        reduce gradients and read no parameter.
+        """
+        with self.lock:
+            running.mark_autograd_finished()
+            if self.running is running:
+                self.end_backward_pass()
 
     def end_backward_pass(self, aborted: bool = False) -> None:
         with self.lock:
@@ -615,7 +635,8 @@ class PartitionedParameterCoordinator:
     @eager_only  # [Note: what Dynamo may trace]
     @torch.no_grad()
     def release_backward_leftovers(self) -> None:
-        """End of ``engine.backward()``: close the backward pass and release what it still holds."""
+        """End of ``engine.backward()``: close the backward pass, if its graph task's completion has not already
+        ([Note: the end of a backward])."""
         with self.lock:
             self.end_backward_pass()
 

@@ -5,7 +5,7 @@ Every fetch is a collective, so every rank must fetch the same modules in the sa
 they do not, equal-sized all-gathers pair up and mix the wrong shards, unequal ones fail or hang.
 * Always (``PassOrderCheck``): the ranks compare one fingerprint of the module orders of the
   passes run since the last check (one all_gather of 3 integers, one device-to-host copy) at the
-  end of every backward, where ``engine.backward()`` stops anyway, and after MAX_PENDING_PASSES
+  end of every backward, where the ranks wait for gradients anyway, and after MAX_PENDING_PASSES
   passes without one: no-grad forwards and generated tokens cost nothing of their own. On a
   mismatch every rank raises, naming each rank's pass, step and module, before the optimizer
   step. Passes no check follows (the tail of an inference-only run) are not compared: a check in

@@ -7,12 +7,14 @@ never ran the callback queued at its start (``RunningPass.autograd_finished``): 
 was gathered and records no trace of the partial order. Upstream's stage 3 optimizer does not
 recover: gradients that reached its reduce bucket stay there (``.grad`` aliasing the bucket), and
 its next backward fails a duplicate-parameter assertion (with DEEPSPEED_ZERO3=0 too).
-``abandon_step`` empties that bucket with stage 3's own ``clear_params()``, drops the module's
+``abandon_step`` empties that bucket as stage 3's own ``clear_params()`` does (each release's bucket,
+[Note: release capabilities]), drops the module's
 ``.grad`` and restarts gradient accumulation: a partially reduced backward cannot be subtracted.
 """
 
 from deepspeed.runtime.engine import DeepSpeedEngine
 
+from deepspeed_zero3.runtime.zero import capabilities
 from deepspeed_zero3.runtime.zero.stats_api import coordinator_of
 
 
@@ -30,11 +32,8 @@ def abandon_step(engine) -> None:
                         f"{type(engine).__name__}")
     coordinator_of(engine, api="abandon_step").reset_step(abandoning=True)
     optimizer = engine.optimizer
-    buckets = getattr(optimizer, "ipg_buckets", None)
-    if buckets is None:
+    if not capabilities.clear_reduce_bucket(optimizer):
         return  # no ZeRO-3 optimizer (an inference engine): no gradient state to drop
-    for bucket in buckets.values():
-        bucket.clear_params()
     for param in engine.module.parameters():
         param.grad = None
     for param_id in getattr(optimizer, "params_already_reduced", {}):
@@ -44,7 +43,4 @@ def abandon_step(engine) -> None:
     optimizer._epilogue_ran_this_backward = False
     # engine.backward() entered upstream's backward context and never left it; a later direct
     # loss.backward() would otherwise skip its epilogue.
-    hook_state = getattr(optimizer, "_backward_hook_state", None)
-    if hook_state is not None:
-        hook_state.backward_active_depth = 0
-        hook_state.reset_for_new_step()
+    capabilities.leave_backward_context(optimizer)

@@ -2,8 +2,8 @@
 
 [Note: the running pass]
 At most one pass runs at a time: a forward from the root's pre-forward hook to its
-forward hook, a backward from its first backward hook to the end of
-``engine.backward()`` ([Note: one prefetcher per pass]). Everything that belongs to
+forward hook, a backward from its first backward hook to the completion of its
+autograd graph task ([Note: one prefetcher per pass], [Note: the end of a backward]). Everything that belongs to
 that pass alone lives on one ``RunningPass``, held as ``coordinator.running``:
 its kind, where it stands against its trace, its prefetcher, the parameter list
 each module's fetch took, the modules whose backward has begun and not ended,

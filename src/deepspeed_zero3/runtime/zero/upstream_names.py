@@ -40,6 +40,7 @@ from deepspeed.runtime.zero.partitioned_param_profiler import PartitionedParamet
 from deepspeed.runtime.zero.utils import apply_to_tensors_only, is_zero_param  # noqa: F401
 from deepspeed.utils import set_z3_leaf_module, z3_leaf_module  # noqa: F401
 from deepspeed.utils.debug import debug_param2name_id_shape  # noqa: F401
+from deepspeed.utils.debug import debug_module2name_id, debug_param2name_id  # noqa: F401 (0.16's coordinator)
 from deepspeed.utils.logging import logger
 
 try:  # deepspeed >= 0.19.5, whose parameter_offload imports it

@@ -22,8 +22,9 @@ from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 import torch
 from torch.nn import Parameter
 
-from deepspeed.runtime.zero.partition_parameters import DS_Z3_GATHERED_PARAM_CONTEXT_DEPTH_ATTR, ZeroParamStatus
+from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
+from deepspeed_zero3.runtime.zero.capabilities import HELD_MARK_ATTR
 from deepspeed_zero3.runtime.zero.gather import held_by_gathered_parameters
 from deepspeed_zero3.runtime.zero.nvme_swap import blocks_gather, on_nvme
 from deepspeed_zero3.runtime.zero.release import release as release_gathered
@@ -73,11 +74,11 @@ def _hold(param: Parameter, delta: int) -> None:
     """Mark ``param`` as held by an open gather context while the stream holds it, as ``GatheredParameters``
     marks its own: a forward the consumer runs meanwhile then neither releases nor keeps it, and a
     ``GatheredParameters`` over it is refused by upstream as an overlap."""
-    depth = getattr(param, DS_Z3_GATHERED_PARAM_CONTEXT_DEPTH_ATTR, 0) + delta
+    depth = getattr(param, HELD_MARK_ATTR, 0) + delta
     if depth > 0:
-        setattr(param, DS_Z3_GATHERED_PARAM_CONTEXT_DEPTH_ATTR, depth)
-    elif hasattr(param, DS_Z3_GATHERED_PARAM_CONTEXT_DEPTH_ATTR):
-        delattr(param, DS_Z3_GATHERED_PARAM_CONTEXT_DEPTH_ATTR)
+        setattr(param, HELD_MARK_ATTR, depth)
+    elif hasattr(param, HELD_MARK_ATTR):
+        delattr(param, HELD_MARK_ATTR)
 
 
 def _swap_reads(params) -> List[Parameter]:
