@@ -37,7 +37,8 @@ def test_backward_callbacks_are_eager_only(callback):
 
 
 @pytest.mark.parametrize("method", [
-    "fetch_sub_module", "release_sub_module", "reset_step", "release_backward_leftovers", "release_and_reset_all"
+    "fetch_sub_module", "release_sub_module", "reset_step", "release_backward_leftovers", "release_and_reset_all",
+    "_autograd_finished"
 ])
 def test_coordinator_entry_points_are_eager_only(method):
     assert is_eager_only(getattr(PartitionedParameterCoordinator, method))
