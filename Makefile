@@ -51,7 +51,7 @@ LAUNCH = $(BIN)/deepspeed --num_gpus $(NPROC) --master_port $(PORT)
 RELEASE_SHM = status=$$?; rm -f /dev/shm/deepspeed_allreduce_buffer_$$(id -u)_*_$(PORT)_*; exit $$status
 DIST_PYTEST = --no_local_rank --module pytest -q -p no:cacheprovider
 
-.PHONY: venv venv-int demo test test-smoke test-parity-smoke test-smoke-torch test-parity-torch test-counts-torch test-versions installed-versions test-unit test-parity test-distributed test-world4 test-integration bench soak clean-locks clean \
+.PHONY: venv venv-int demo test test-smoke test-parity-smoke test-counts test-smoke-torch test-parity-torch test-counts-torch test-versions installed-versions test-unit test-parity test-distributed test-world4 test-integration bench soak clean-locks clean \
 	test-gpu gpu-wheels gpu-check
 
 $(BIN)/python:
@@ -133,14 +133,26 @@ TORCH_COUNT_TESTS ?= tests/distributed/test_recompute_release.py tests/distribut
 test-counts-torch: venv clean-locks
 	$(LAUNCH) $(DIST_PYTEST) $(TORCH_COUNT_TESTS); $(RELEASE_SHM)
 
-# Every supported deepspeed release (torch 2.13.0): unit, distributed and parity tests; then every torch of
+# Ours' exact counts on one deepspeed release (make test-versions, a release without the whole suites): all-gather
+# calls and numel per pass, peaks, keeping, the end of a backward, and the torch-decided ones above.
+COUNT_TESTS ?= tests/distributed/test_comm_counts.py tests/distributed/test_keeping.py \
+	tests/distributed/test_backward_end.py $(TORCH_COUNT_TESTS)
+test-counts: venv clean-locks
+	$(LAUNCH) $(DIST_PYTEST) $(COUNT_TESTS); $(RELEASE_SHM)
+
+# Every supported deepspeed release (torch 2.13.0): FULL_VERSIONS unit, distributed and parity tests, the others
+# unit tests, the parity smoke and the exact counts; then every torch of
 # TORCH_VERSIONS (deepspeed 0.19.8): unit tests, the torch parity smoke and the exact counts. One environment at a time, each in its
 # own venv; logs in versions-out/<release>/ and versions-out/torch-<version>/, then the tables in
 # docs/compat/versions.md. A subset reruns only those (the tables keep the others' last results):
 # make test-versions TEST_VERSIONS=0.19.4 TEST_TORCH_VERSIONS=  (an empty list skips that matrix)
 TEST_VERSIONS ?= $(SUPPORTED_DEEPSPEED_VERSIONS)
 TEST_TORCH_VERSIONS ?= $(TORCH_VERSIONS)
+# The whole suites for the first and last patch of each minor series and where the caller contract or a detected
+# feature changes (docs/maintaining.md); the others get the unit tests, the parity smoke and the exact counts.
+FULL_VERSIONS ?= 0.16.0 0.16.3 0.16.4 0.16.9 0.17.0 0.17.6 0.18.0 0.18.1 0.18.9 0.19.0 0.19.3 0.19.4 0.19.8
 VERSION_SUITES ?= unit distributed parity
+SMOKE_VERSION_SUITES ?= unit parity-smoke counts
 TORCH_SUITES ?= unit parity-torch counts-torch
 VERSIONS_OUT ?= versions-out
 # $(call run-suites,<results folder>,<suites>,<make variables>)
@@ -163,7 +175,7 @@ endef
 installed-versions:
 	@$(BIN)/python -c "import sys, torch, deepspeed; print(f'python {sys.version.split()[0]}, torch {torch.__version__}, deepspeed {deepspeed.__version__}')"
 test-versions:
-	@$(foreach v,$(TEST_VERSIONS),$(call run-suites,$(v),$(VERSION_SUITES),DEEPSPEED_VERSION=$(v));)
+	@$(foreach v,$(TEST_VERSIONS),$(call run-suites,$(v),$(if $(filter $(v),$(FULL_VERSIONS)),$(VERSION_SUITES),$(SMOKE_VERSION_SUITES)),DEEPSPEED_VERSION=$(v));)
 	@$(foreach t,$(TEST_TORCH_VERSIONS),$(call run-suites,torch-$(t),$(TORCH_SUITES),TORCH_VERSION=$(t) NVME_OP=0);)
 	$(PYTHON) scripts/versions_table.py $(VERSIONS_OUT) docs/compat/versions.md
 

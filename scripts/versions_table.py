@@ -31,7 +31,9 @@ def _tables():
     spec.loader.exec_module(module)
     return module
 
-SUITES = ("unit", "distributed", "parity")
+SUITES = ("unit", "distributed", "parity", "parity-smoke", "counts")
+# A release run with the whole suites ran the smoke's scenarios and the exact counts inside them.
+_INSIDE = {"parity-smoke": "parity", "counts": "distributed"}
 TORCH_SUITES = ("unit", "parity-torch", "counts-torch")
 OUTCOMES = ("passed", "failed", "error", "skipped", "xfailed", "xpassed")
 _SUMMARY = re.compile(r"((?:\d+ (?:passed|failed|errors?|skipped|xfailed|xpassed|deselected|warnings?)"
@@ -167,14 +169,22 @@ def render(results_dir: Path, versions, torches, today: str, previous: str = "")
         "",
         "## deepspeed releases",
         "",
-        "torch 2.13.0 (CPU build), `deepspeed==<release>`: unit tests, the distributed tests (2 ranks, gloo) and",
-        "the parity tests (ours vs upstream's runtime of the same release, bitwise, 2 and 4 ranks).",
+        "torch 2.13.0 (CPU build), `deepspeed==<release>`. Every release: unit tests, one 2-rank parity launch per",
+        "runtime over the Makefile's `SMOKE_SCENARIOS` (ours vs upstream's runtime of the same release, bitwise)",
+        "and ours' exact-count tests (`COUNT_TESTS`, 2 ranks). The first and last patch of each minor series and",
+        "the releases where the contract changes (the Makefile's `FULL_VERSIONS`) run the whole suites instead:",
+        "every distributed test (2 ranks, gloo) and every parity scenario (2 and 4 ranks), which include those.",
         "",
     ]
-    rows = [row("deepspeed", version, results_dir / version, SUITES,
-                lambda folder: [cell(read_suite(folder, suite)) for suite in SUITES], 2 + len(SUITES))
+    def release_cells(folder: Path):
+        results = {suite: read_suite(folder, suite) for suite in SUITES}
+        return [f"in {_INSIDE[suite]}" if result is None and results.get(_INSIDE.get(suite)) is not None
+                else cell(result) for suite, result in results.items()]
+
+    rows = [row("deepspeed", version, results_dir / version, SUITES, release_cells, 2 + len(SUITES))
             for version in versions]
-    lines.append(table(("deepspeed", "measured", *SUITES), rows, align="l" * (2 + len(SUITES))))
+    lines.append(table(("deepspeed", "measured", "unit", "distributed", "parity", "parity smoke", "exact counts"),
+                       rows, align="l" * (2 + len(SUITES))))
     lines += [
         "",
         "## torch releases",

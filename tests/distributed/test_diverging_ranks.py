@@ -9,6 +9,7 @@ import torch
 import deepspeed
 import deepspeed.comm as dist
 import deepspeed_zero3
+from deepspeed_zero3.runtime.zero import capabilities
 from deepspeed_zero3.runtime.zero.rank_agreement import CHECK_RANKS_ENV, MAX_PENDING_PASSES
 from deepspeed_zero3.testing.engines import (batch, gathered_copies, mse_loss, train_step, training_engine,
                                              zero3_config)
@@ -185,6 +186,9 @@ def test_default_check_costs_one_small_collective_per_backward_and_per_batch_of_
     engine.destroy()
 
 
+@pytest.mark.skipif(capabilities.GATHERED_CONTEXT_DEPTH_ATTR is None,
+                    reason="this deepspeed release's GatheredParameters does not mark what it holds (from 0.19.4): "
+                    "a forward on one rank under it releases parameters, and the order check stops every rank")
 def test_no_grad_forward_on_one_rank_under_gathered_parameters():
     """Rank 0 alone runs a no-grad forward inside GatheredParameters over the whole model (a sample or a log on
     one rank). It gathers nothing, so it must leave no trace, no pending order check and no collective behind.
@@ -216,6 +220,27 @@ def test_no_grad_forward_on_one_rank_under_gathered_parameters():
     assert all(p["demand_numel"] == 0 for p in shared[3:]), shared
     assert checks == [3] * 3  # the order check after each backward only; eval forwards join the next one
     assert deepspeed_zero3.get_zero3_stats(engine)["live_numel"] == 0
+    engine.destroy()
+
+
+@pytest.mark.skipif(capabilities.GATHERED_CONTEXT_DEPTH_ATTR is not None,
+                    reason="this deepspeed release marks what GatheredParameters holds: the solo forward is silent")
+def test_without_the_mark_a_solo_forward_under_gathered_parameters_stops_every_rank():
+    """Before 0.19.4 nothing tells a context's parameters from others: the solo forward releases them, as
+    upstream's does, so it is not silent, and the order check after the next backward stops every rank with the
+    divergence named, instead of a later mismatched collective."""
+    rank = torch.distributed.get_rank()
+    torch.manual_seed(0)
+    model = model_b()
+    engine = training_engine(model, zero3_config(bucket=20_000, reuse=0))
+    with deepspeed.zero.GatheredParameters(list(model.parameters())):
+        if rank == 0:
+            with torch.no_grad():
+                model(batch(200, 0))
+    with pytest.raises(RuntimeError, match="ranks ran different modules") as raised:
+        train_step(engine, batch(0, rank))
+    assert "rank 0: began a eval_forward pass at this point; rank 1: began a forward pass" in str(raised.value)
+    deepspeed_zero3.abandon_step(engine)
     engine.destroy()
 
 

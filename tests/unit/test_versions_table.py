@@ -41,20 +41,26 @@ def test_the_table_lists_every_supported_release_with_counts_or_not_run(tmp_path
     write_suite(results / "0.19.6", "distributed", "[rank 0] FAILED tests/distributed/test_x.py::test_y (call):\n"
                 "[rank 1] FAILED tests/distributed/test_x.py::test_y (call):\n", 2, 60)
     write_suite(results / "0.15.4", "unit", "1 passed in 1.0s\n", 0, 1)  # not supported: ignored
+    # A release without the whole suites: its smoke and counts.
+    write_suite(results / "0.19.5", "unit", "100 passed in 39.0s\n", 0, 40)
+    write_suite(results / "0.19.5", "parity-smoke", "9 passed in 88.0s\n", 0, 90)
+    write_suite(results / "0.19.5", "counts", "12 passed in 70.0s\n12 passed in 70.1s\n", 0, 80)
 
     text = versions_table.render(results, versions_table.supported_versions(REPO), [], "today")
     assert "| 0.15.4 |" not in text
     rows = [line for line in text.splitlines() if line.startswith("| 0.19.")]
-    assert rows[:4] == [f"| 0.19.{patch} | not recorded | not run | not run | not run |" for patch in range(4)]
+    assert rows[:4] == [f"| 0.19.{patch} | not recorded | not run | not run | not run | not run | not run |"
+                        for patch in range(4)]
     assert rows[4:] == [
         "| 0.19.4 | not recorded | ok: 148 passed, 0 failed; 52 s | ok: 30 passed, 0 failed, 1 skipped (each of 2 ranks); 230 s "
-        "| FAIL: 20 passed, 1 failed, 2 xfailed; 410 s |",
-        "| 0.19.5 | not recorded | not run | not run | not run |",
+        "| FAIL: 20 passed, 1 failed, 2 xfailed; 410 s | in parity | in distributed |",
+        "| 0.19.5 | not recorded | ok: 100 passed, 0 failed; 40 s | not run | not run | ok: 9 passed, 0 failed; 90 s "
+        "| ok: 12 passed, 0 failed (each of 2 ranks); 80 s |",
         "| 0.19.6 | not recorded | not run | FAIL: stopped at its first failure (exit 2): `tests/distributed/test_x.py::test_y` "
-        "| not run |",
-        "| 0.19.7 | not recorded | not run | not run | not run |",
+        "| not run | not run | in distributed |",
+        "| 0.19.7 | not recorded | not run | not run | not run | not run | not run |",
         "| 0.19.8 | not recorded | no pytest summary (exit 2) | FAIL: 31 passed, 0 failed (ranks disagree: rank 0 shown); 9 s "
-        "| not run |",
+        "| not run | not run | in distributed |",
     ]
     assert "Last written: today." in text
 
@@ -102,9 +108,10 @@ def test_a_release_without_results_keeps_its_row_from_the_page_and_one_rerun_rew
     text = versions_table.render(results, ["0.19.4", "0.19.8"], ["2.13.0", "2.15.0"], "today", OLD_PAGE)
     rows = [line for line in text.splitlines() if line.startswith(("| 0.19.", "| 2.1"))]
     assert rows == [
-        "| 0.19.4 | commit not recorded, 2026-12-02 | ok: 256 passed, 0 failed; 57 s | not run | not run |",
-        "| 0.19.8 | 0123456789ab + uncommitted changes, 2026-12-03 | ok: 250 passed, 0 failed; 10 s | not run "
+        "| 0.19.4 | commit not recorded, 2026-12-02 | ok: 256 passed, 0 failed; 57 s | not run | not run | not run "
         "| not run |",
+        "| 0.19.8 | 0123456789ab + uncommitted changes, 2026-12-03 | ok: 250 passed, 0 failed; 10 s | not run "
+        "| not run | not run | not run |",
         # The page's row, and "not run" for the suite added since.
         "| 2.13.0 | commit not recorded, 2026-12-02 | python 3.11.7, torch 2.13.0 | ok: 254 passed, 0 failed; 20 s "
         "| ok: 14 passed, 0 failed; 87 s | not run |",
@@ -117,6 +124,7 @@ def test_a_release_without_results_keeps_its_row_from_the_page_and_one_rerun_rew
 def test_each_suite_names_the_commit_it_ran_on_when_they_differ(tmp_path):
     folder = tmp_path / "versions-out" / "0.19.4"
     for suite, commit in (("unit", "aaaaaaaaaaaa"), ("distributed", "aaaaaaaaaaaa"), ("parity", "bbbbbbbbbbbb")):
+        # A whole-suites row: the smoke and counts suites did not run on their own.
         write_suite(folder, suite, "1 passed in 1.0s\n", 0, 1)
         (folder / f"{suite}.measured").write_text(f"{commit}, 2026-12-03\n")
     (folder / "measured.txt").write_text("cccccccccccc, 2026-12-02\n")  # folder-wide: used only without these
@@ -124,7 +132,7 @@ def test_each_suite_names_the_commit_it_ran_on_when_they_differ(tmp_path):
         "unit: aaaaaaaaaaaa, 2026-12-03; distributed: aaaaaaaaaaaa, 2026-12-03; parity: bbbbbbbbbbbb, 2026-12-03")
     (folder / "parity.measured").write_text("aaaaaaaaaaaa, 2026-12-03\n")
     assert versions_table.measured(folder, versions_table.SUITES) == "aaaaaaaaaaaa, 2026-12-03"
-    for suite in versions_table.SUITES:
+    for suite in ("unit", "distributed", "parity"):
         (folder / f"{suite}.measured").unlink()
     assert versions_table.measured(folder, versions_table.SUITES) == "cccccccccccc, 2026-12-02"
 
