@@ -1,0 +1,27 @@
+"""Packaging: one source for the version, the license files, and the type marker."""
+
+import re
+from pathlib import Path
+
+import deepspeed_zero3
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_the_version_has_one_source():
+    pyproject = (REPO / "pyproject.toml").read_text()
+    assert re.search(r"^version\s*=", pyproject, flags=re.M) is None
+    assert 'version = {attr = "deepspeed_zero3.__version__"}' in pyproject
+    source = (REPO / "src" / "deepspeed_zero3" / "__init__.py").read_text()
+    assert f'__version__ = "{deepspeed_zero3.__version__}"' in source
+
+
+def test_license_notice_changelog_and_type_marker_ship():
+    assert (REPO / "LICENSE").read_text().lstrip().startswith("Apache License")
+    assert "DeepSpeed" in (REPO / "NOTICE").read_text()
+    assert "## Version policy" in (REPO / "CHANGELOG.md").read_text()
+    assert (Path(deepspeed_zero3.__file__).parent / "py.typed").exists()  # in the installed package
+
+
+def test_python_requirement_is_torchs():
+    assert 'requires-python = ">=3.10"' in (REPO / "pyproject.toml").read_text()
