@@ -1,0 +1,79 @@
+"""[Note: release capabilities]: what capabilities.py detects agrees with the installed release's own files, and
+its adapters handle each shape a release has."""
+
+import ast
+import inspect
+import types
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import List
+
+import deepspeed
+from deepspeed.runtime.zero import partition_parameters
+
+from deepspeed_zero3.runtime.zero import capabilities
+from deepspeed_zero3.runtime.zero import parameter_offload as ours
+
+UPSTREAM_OFFLOAD = Path(deepspeed.__file__).parent / "runtime" / "zero" / "parameter_offload.py"
+
+
+def upstream_offload_arguments():
+    """The argument names of the installed release's own DeepSpeedZeRoOffload.__init__ (its file, which ours
+    shadows), in order."""
+    tree = ast.parse(UPSTREAM_OFFLOAD.read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "DeepSpeedZeRoOffload")
+    init = next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "__init__")
+    return [a.arg for a in init.args.args]
+
+
+def test_detected_features_match_the_installed_release():
+    assert capabilities.GATHERED_CONTEXT_DEPTH_ATTR == getattr(partition_parameters,
+                                                               "DS_Z3_GATHERED_PARAM_CONTEXT_DEPTH_ATTR", None)
+    handle = partition_parameters.AllGatherCoalescedHandle
+    assert capabilities.FAST_LEAF_SHARDING == hasattr(handle, "free_buffer")
+    assert capabilities.ZENFLOW == ("zenflow" in upstream_offload_arguments())
+
+
+def test_the_served_constructor_takes_the_release_arguments_in_its_order():
+    # Positional calls of the release bind as they do there (ours accepts more, by keyword, after them).
+    upstream = upstream_offload_arguments()
+    served = list(inspect.signature(ours.DeepSpeedZeRoOffload.__init__).parameters)
+    assert served[:len(upstream)] == upstream
+
+
+def test_without_argument_drops_one_argument_and_keeps_its_default():
+    def f(a, zenflow=False, overlap=True):
+        return a, zenflow, overlap
+
+    g = ours.without_argument(f, "zenflow")
+    assert list(inspect.signature(g).parameters) == ["a", "overlap"]
+    assert g(1, False) == (1, False, False) and g(1) == (1, False, True)
+
+
+@dataclass
+class Bucket:
+    params: List[int] = field(default_factory=list)
+    elements: int = 0
+    buffer: object = "kept"
+
+
+def test_clear_reduce_bucket_empties_each_releases_shape():
+    per_dtype = types.SimpleNamespace(ipg_buckets={"fp32": Bucket([1, 2], 7)})
+    assert capabilities.clear_reduce_bucket(per_dtype)
+    assert per_dtype.ipg_buckets["fp32"] == Bucket([], 0, "kept")
+    one_list = types.SimpleNamespace(params_in_ipg_bucket=[1, 2], grads_in_ipg_bucket=["g1", "g2"])
+    assert capabilities.clear_reduce_bucket(one_list)
+    assert (one_list.params_in_ipg_bucket, one_list.grads_in_ipg_bucket) == ([], [])
+    assert not capabilities.clear_reduce_bucket(types.SimpleNamespace())  # no ZeRO-3 optimizer
+
+
+def test_leave_backward_context_in_each_releases_form():
+    calls = []
+    hook_state = types.SimpleNamespace(backward_active_depth=2, reset_for_new_step=lambda: calls.append("reset"))
+    newer = types.SimpleNamespace(_backward_hook_state=hook_state)
+    capabilities.leave_backward_context(newer)
+    assert (hook_state.backward_active_depth, calls) == (0, ["reset"])
+    older = types.SimpleNamespace(_backward_active_depth=3)
+    capabilities.leave_backward_context(older)
+    assert older._backward_active_depth == 0
+    capabilities.leave_backward_context(types.SimpleNamespace())  # before either: nothing to reset
