@@ -18,7 +18,6 @@ upstream does:
 """
 
 import importlib.util
-import inspect
 import os
 from typing import Optional
 
@@ -33,17 +32,10 @@ GATHERED_CONTEXT_DEPTH_ATTR: Optional[str] = getattr(partition_parameters, "DS_Z
 HELD_MARK_ATTR: str = GATHERED_CONTEXT_DEPTH_ATTR or "_deepspeed_zero3_gathered_context_depth"
 
 
-def _accepts(function, keyword: str) -> bool:
-    try:
-        return keyword in inspect.signature(function).parameters
-    except (TypeError, ValueError):
-        return False
-
-
-_HANDLE = partition_parameters.AllGatherCoalescedHandle
-# Upstream's fast sharding of z3 leaves: a wait that takes no compute-stream dependency and partitions kept until
-# the leaf is complete (with them, in the same release, ``param.partition(free_data=...)``).
-FAST_LEAF_SHARDING: bool = hasattr(_HANDLE, "free_buffer") and _accepts(_HANDLE.wait, "handle_dependency")
+# Upstream's fast sharding of z3 leaves: ``AllGatherCoalescedHandle.free_buffer``, with which the same release brought
+# ``wait(handle_dependency=)`` and ``partition(free_data=)``. The attribute is the test: ``wait`` is wrapped (profiling,
+# compiler) on some releases, so its signature does not show its arguments.
+FAST_LEAF_SHARDING: bool = hasattr(partition_parameters.AllGatherCoalescedHandle, "free_buffer")
 
 
 def _has_zenflow_stage3() -> bool:
