@@ -57,10 +57,23 @@ class Bucket:
     buffer: object = "kept"
 
 
+@dataclass
+class BucketWithClear(Bucket):
+    cleared: int = 0
+
+    def clear_params(self):
+        self.cleared += 1
+        self.params.clear()
+        self.elements = 0
+
+
 def test_clear_reduce_bucket_empties_each_releases_shape():
     per_dtype = types.SimpleNamespace(ipg_buckets={"fp32": Bucket([1, 2], 7)})
     assert capabilities.clear_reduce_bucket(per_dtype)
     assert per_dtype.ipg_buckets["fp32"] == Bucket([], 0, "kept")
+    with_clear = types.SimpleNamespace(ipg_buckets={"fp32": BucketWithClear([1, 2], 7)})
+    assert capabilities.clear_reduce_bucket(with_clear)  # the release's own clear_params, where it has one
+    assert with_clear.ipg_buckets["fp32"] == BucketWithClear([], 0, "kept", cleared=1)
     one_list = types.SimpleNamespace(params_in_ipg_bucket=[1, 2], grads_in_ipg_bucket=["g1", "g2"])
     assert capabilities.clear_reduce_bucket(one_list)
     assert (one_list.params_in_ipg_bucket, one_list.grads_in_ipg_bucket) == ([], [])

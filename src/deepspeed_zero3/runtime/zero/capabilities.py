@@ -84,7 +84,8 @@ def record_param_access(fallback, param) -> None:
 
 
 def clear_reduce_bucket(optimizer) -> bool:
-    """Empty stage 3's gradient reduce bucket (keeping its buffer), as ``IPGBucketZ3.clear_params`` does.
+    """Empty stage 3's gradient reduce bucket, keeping its buffer: with ``IPGBucketZ3.clear_params`` where the
+    release has it, else as it does.
 
     The bucket is one list per optimizer (``params_in_ipg_bucket``), then one ``IPGBucketZ3`` per communication
     dtype (``ipg_buckets``), which later gained ``clear_params``. Returns False when ``optimizer`` has no bucket.
@@ -92,8 +93,11 @@ def clear_reduce_bucket(optimizer) -> bool:
     buckets = getattr(optimizer, "ipg_buckets", None)
     if buckets is not None:
         for bucket in buckets.values():
-            bucket.params.clear()
-            bucket.elements = 0
+            if hasattr(bucket, "clear_params"):
+                bucket.clear_params()
+            else:
+                bucket.params.clear()
+                bucket.elements = 0
         return True
     params = getattr(optimizer, "params_in_ipg_bucket", None)
     if params is None:

@@ -15,7 +15,6 @@ from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus, registe
 from deepspeed.utils.logging import logger
 
 from deepspeed_zero3.runtime.zero import capabilities
-from deepspeed_zero3.runtime.zero.capabilities import is_dynamo_guard_evaluation
 from deepspeed_zero3.runtime.zero.gather import held_by_gathered_parameters
 from deepspeed_zero3.runtime.zero.hooks import FWD_MODULE_STACK
 from deepspeed_zero3.runtime.zero.param_registry import REGISTRY_ATTR, find_registry
@@ -47,7 +46,8 @@ class ZeROOrderedDict(OrderedDict):
         # DeepCompile's eager fallback tracks parameter reads itself, where the release has one ([Note: release
         # capabilities]).
         fallback = capabilities.active_eager_fallback()
-        if fallback is not None and param.ds_status == ZeroParamStatus.AVAILABLE and not is_dynamo_guard_evaluation():
+        if (fallback is not None and param.ds_status == ZeroParamStatus.AVAILABLE
+                and not capabilities.is_dynamo_guard_evaluation()):
             capabilities.record_param_access(fallback, param)
 
         if param.ds_status != ZeroParamStatus.NOT_AVAILABLE:
@@ -62,7 +62,7 @@ class ZeROOrderedDict(OrderedDict):
                 if FWD_MODULE_STACK:
                     register_external_parameter(FWD_MODULE_STACK[-1], param)
                 param.all_gather()
-            elif is_dynamo_guard_evaluation():
+            elif capabilities.is_dynamo_guard_evaluation():
                 # A guard reads identity and metadata only; gathering would hold a full buffer for nothing.
                 fallback.record_guard_suppressed_param(param)
                 return param

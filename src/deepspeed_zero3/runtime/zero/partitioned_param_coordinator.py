@@ -252,7 +252,6 @@ class PartitionedParameterCoordinator:
         reduce gradients and read no parameter.
         """
         with self.lock:
-            running.mark_autograd_finished()
             if self.running is running:
                 self.end_backward_pass()
 
@@ -280,15 +279,15 @@ class PartitionedParameterCoordinator:
         if running is not None and not running.is_backward:
             self.end_forward_pass(aborted=True)
         elif running is not None:
-            # Either a backward that finished without engine.backward()'s epilogue (a trace worth keeping),
-            # or one cut short by an exception (its partial order must not become a trace).
-            cut_short = not running.autograd_finished
-            if cut_short and not abandoning:
+            # Its graph task's completion would have closed it ([Note: the end of a backward]): cut short by an
+            # exception (its partial order must not become a trace), or begun outside the autograd engine by a
+            # direct hook call that never closed it.
+            if not abandoning:
                 logger.warning("deepspeed-zero3: a backward pass raised before it finished; the parameters it "
                                "gathered are now released and its partial module order is not kept as a trace. "
                                "Stage 3 still holds that backward's partial gradients: call "
                                "deepspeed_zero3.abandon_step(engine) after catching the exception to drop them.")
-            self.end_backward_pass(aborted=cut_short)
+            self.end_backward_pass(aborted=True)
         self.release_all_ours(keep=self.nograd_keeping.carry if keep_carry else ())
         if not keep_carry:
             self.nograd_keeping.drop()

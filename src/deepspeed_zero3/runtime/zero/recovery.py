@@ -3,7 +3,7 @@
 [Note: a backward that raised]
 An exception inside backward stops the autograd engine half way, unseen by our hooks. The
 coordinator learns it at the next pass boundary, because the graph task that began the backward
-never ran the callback queued at its start (``RunningPass.autograd_finished``): it releases what
+never ran the callback queued at its start, which closes a finished backward: it releases what
 was gathered and records no trace of the partial order. Upstream's stage 3 optimizer does not
 recover: gradients that reached its reduce bucket stay there (``.grad`` aliasing the bucket), and
 its next backward fails a duplicate-parameter assertion (with DEEPSPEED_ZERO3=0 too).

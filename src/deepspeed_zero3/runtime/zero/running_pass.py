@@ -46,9 +46,6 @@ class RunningPass:
         # silent passes]). Its own counts, not the stats', which a user may reset in the middle of a pass.
         self.gathered = 0
         self.released = 0
-        # Backward passes: set when the autograd graph task that began the pass completed. A graph task that
-        # raised never sets it: that is how a backward cut short by an exception is told from a finished one.
-        self.autograd_finished = False
 
     @property
     def is_backward(self) -> bool:
@@ -62,6 +59,3 @@ class RunningPass:
     def replayed_trace(self) -> Optional[PassTrace]:
         """The trace the pass follows, or None while it records (fetching on demand)."""
         return self.progress.trace if self.progress.replaying() else None
-
-    def mark_autograd_finished(self) -> None:
-        self.autograd_finished = True
