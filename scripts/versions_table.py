@@ -17,6 +17,7 @@ any python.
 import datetime
 import importlib.util
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -147,7 +148,47 @@ def previous_rows(text: str):
     return rows
 
 
-def render(results_dir: Path, versions, torches, today: str, previous: str = "") -> str:
+_COMMIT = re.compile(r"\b[0-9a-f]{12}\b")
+
+
+def older_rows(rows, runtime):
+    """The names of ``rows`` not measured on the runtime that ships: a row is current when every commit its
+    ``measured`` cell names descends from ``runtime``'s last change (``(commit, descends(commit))``)."""
+    if runtime is None:
+        return []
+    _, descends = runtime
+    older = []
+    for name, measured_cell, *_ in rows:
+        commits = _COMMIT.findall(measured_cell)
+        if not commits or not all(descends(commit) for commit in commits):
+            older.append(name)
+    return older
+
+
+def staleness_line(rows, runtime):
+    older = older_rows(rows, runtime)
+    if runtime is None:
+        return []
+    if not older:
+        return ["", f"Every row was measured on the runtime that ships (its last change: `{runtime[0]}`)."]
+    return ["", f"Older than the runtime that ships (its last change to `src/`, `setup.py` or `pyproject.toml`: "
+            f"`{runtime[0]}`), to be rerun: {', '.join(older)}."]
+
+
+def git_runtime(repo: Path = REPO):
+    """(the last commit that changed the runtime, descends(commit)), or None outside a git checkout."""
+    def git(*args):
+        return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True)
+
+    last = git("log", "-1", "--format=%h", "--abbrev=12", "--", "src", "setup.py", "pyproject.toml")
+    if last.returncode != 0 or not last.stdout.strip():
+        return None
+    commit = last.stdout.strip()
+    return commit, lambda other: git("merge-base", "--is-ancestor", commit, other).returncode == 0
+
+
+def render(results_dir: Path, versions, torches, today: str, previous: str = "", runtime=None) -> str:
+    """``runtime``: see ``git_runtime``; with it, each table ends with the rows older than the runtime."""
     table = _tables().markdown_table
     kept = previous_rows(previous)
 
@@ -185,6 +226,7 @@ def render(results_dir: Path, versions, torches, today: str, previous: str = "")
             for version in versions]
     lines.append(table(("deepspeed", "measured", "unit", "distributed", "parity", "parity smoke", "exact counts"),
                        rows, align="l" * (2 + len(SUITES))))
+    lines += staleness_line(rows, runtime)
     lines += [
         "",
         "## torch releases",
@@ -206,6 +248,7 @@ def render(results_dir: Path, versions, torches, today: str, previous: str = "")
             for torch in torches]
     lines.append(table(("torch", "measured", "installed", "unit", "parity smoke", "exact counts"), rows,
                        align="l" * (3 + len(TORCH_SUITES))))
+    lines += staleness_line(rows, runtime)
     return "\n".join(lines) + "\n"
 
 
@@ -223,7 +266,7 @@ def main(argv):
     previous = output.read_text() if output.exists() else ""
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(render(results_dir, versions, torches, datetime.datetime.now(datetime.timezone.utc)
-                             .strftime("%Y-%m-%d %H:%M UTC"), previous))
+                             .strftime("%Y-%m-%d %H:%M UTC"), previous, git_runtime()))
     print(output.read_text(), end="")
     return 0
 

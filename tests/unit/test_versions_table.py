@@ -139,3 +139,20 @@ def test_each_suite_names_the_commit_it_ran_on_when_they_differ(tmp_path):
 
 def test_the_torch_matrix_is_read_from_the_makefile():
     assert versions_table.torch_versions(REPO) == ["2.11.0", "2.12.1", "2.13.0", "2.14.1", "2.15.0"]
+
+
+def test_rows_older_than_the_runtime_are_named_under_their_table(tmp_path):
+    results = tmp_path / "versions-out"
+    write_suite(results / "0.19.8", "unit", "250 passed in 9.0s\n", 0, 10)
+    (results / "0.19.8" / "unit.measured").write_text("bbbbbbbbbbbb, 2026-12-03\n")
+    write_suite(results / "0.19.4", "unit", "250 passed in 9.0s\n", 0, 10)
+    (results / "0.19.4" / "unit.measured").write_text("aaaaaaaaaaaa, 2026-12-02\n")
+    runtime = ("cccccccccccc", lambda commit: commit == "bbbbbbbbbbbb")  # only b descends from the last change
+    text = versions_table.render(results, ["0.19.4", "0.19.8"], ["2.15.0"], "today", runtime=runtime)
+    assert ("Older than the runtime that ships (its last change to `src/`, `setup.py` or `pyproject.toml`: "
+            "`cccccccccccc`), to be rerun: 0.19.4.") in text
+    assert "to be rerun: 2.15.0." in text  # not run at all: no commit, so not current either
+    current = ("cccccccccccc", lambda commit: True)
+    assert "Every row was measured on the runtime that ships" in versions_table.render(
+        results, ["0.19.4", "0.19.8"], [], "today", runtime=current)
+    assert "Older than" not in versions_table.render(results, ["0.19.4", "0.19.8"], [], "today")  # no git: no claim
