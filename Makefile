@@ -51,7 +51,7 @@ LAUNCH = $(BIN)/deepspeed --num_gpus $(NPROC) --master_port $(PORT)
 RELEASE_SHM = status=$$?; rm -f /dev/shm/deepspeed_allreduce_buffer_$$(id -u)_*_$(PORT)_*; exit $$status
 DIST_PYTEST = --no_local_rank --module pytest -q -p no:cacheprovider
 
-.PHONY: venv venv-int demo test test-smoke test-parity-smoke test-counts test-smoke-torch test-parity-torch test-counts-torch test-versions installed-versions test-unit test-parity test-distributed test-world4 test-integration bench soak clean-locks clean \
+.PHONY: venv venv-int demo test test-smoke test-smoke-oldest test-parity-smoke test-counts test-smoke-torch test-parity-torch test-counts-torch test-versions installed-versions test-unit test-parity test-distributed test-world4 test-integration bench soak clean-locks clean \
 	test-gpu gpu-wheels gpu-check
 
 $(BIN)/python:
@@ -112,6 +112,11 @@ test: test-unit test-parity test-distributed test-world4 test-integration
 # unit tests and one 2-rank parity launch per runtime over a few scenarios.
 SMOKE_SCENARIOS ?= plain_mlp,train_eval_alternation,zero_init,checkpoint_round_trip,mics_shard_2
 test-smoke: test-unit test-parity-smoke
+
+# The smoke on the oldest supported release (CI runs it), in its own venv and op cache (not this make's).
+OLDEST_DEEPSPEED_VERSION := $(firstword $(SUPPORTED_DEEPSPEED_VERSIONS))
+test-smoke-oldest:
+	env -u TORCH_EXTENSIONS_DIR -u PIP_CONSTRAINT $(MAKE) --no-print-directory test-smoke DEEPSPEED_VERSION=$(OLDEST_DEEPSPEED_VERSION)
 
 test-parity-smoke: venv clean-locks
 	ZERO3_PARITY_WORLDS=2 ZERO3_PARITY_ONLY=$(SMOKE_SCENARIOS) $(BIN)/python -m pytest -q tests/parity/test_parity.py
