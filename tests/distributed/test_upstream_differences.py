@@ -5,8 +5,10 @@ The values are compared with upstream bitwise in the parity scenarios of tests/p
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
+import deepspeed
 import deepspeed_zero3
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 from deepspeed.utils import set_z3_leaf_modules
@@ -20,6 +22,14 @@ def counts(engine):
     return [(p["kind"], p["allgather_numel"], p["demand_numel"]) for p in deepspeed_zero3.get_zero3_stats(engine)["passes"]]
 
 
+# Stage 3 itself refuses a z3 leaf whose inputs need no grad up to 0.17.6 (its own leaf hook raises, with either
+# runtime): read from the installed stage3.py, the one place that says it.
+STAGE3_REFUSES_NO_GRAD_LEAF = "cannot be set as a leaf module when it does not have any input tensors" in (
+    Path(deepspeed.__file__).parent / "runtime" / "zero" / "stage3.py").read_text()
+
+
+@pytest.mark.skipif(STAGE3_REFUSES_NO_GRAD_LEAF, reason="this deepspeed release's stage 3 refuses a z3 leaf whose "
+                    "inputs need no grad (until 0.18.0), under either runtime")
 def test_a_z3_leaf_root_trains_on_inputs_that_need_no_grad():
     """Upstream's TestSetZ3LeafModule::test_no_grad_input_error expects a RuntimeError here (upstream's backward
     finds the leaf's weights released). Ours fetches the leaf for its backward from its outputs' gradients and
