@@ -49,7 +49,7 @@ LAUNCH = $(BIN)/deepspeed --num_gpus $(NPROC) --master_port $(PORT)
 # Upstream's CPU shm allreduce leaves a 66 MB buffer per rank in /dev/shm (memory) for each port it ran on and
 # never unlinks it; a launch on $(PORT) ends by removing them, keeping its exit status.
 RELEASE_SHM = status=$$?; rm -f /dev/shm/deepspeed_allreduce_buffer_$$(id -u)_*_$(PORT)_*; exit $$status
-DIST_PYTEST = --no_local_rank --module pytest -q -p no:cacheprovider
+DIST_PYTEST = --no_local_rank --module pytest -q -rs -p no:cacheprovider
 
 .PHONY: venv venv-int demo test test-smoke test-smoke-oldest test-parity-smoke test-counts test-smoke-torch test-parity-torch test-counts-torch test-versions installed-versions test-unit test-parity test-distributed test-world4 test-integration bench soak clean-locks clean \
 	test-gpu gpu-wheels gpu-check
