@@ -171,8 +171,8 @@ def staleness_line(rows, runtime):
         return []
     if not older:
         return ["", f"Every row was measured on the runtime that ships (its last change: `{runtime[0]}`)."]
-    return ["", f"Older than the runtime that ships (its last change to `src/`, `setup.py` or `pyproject.toml`: "
-            f"`{runtime[0]}`), to be rerun: {', '.join(older)}."]
+    return ["", f"Not measured on the runtime that ships (its last change to `src/`, `setup.py` or `pyproject.toml`: "
+            f"`{runtime[0]}`): older or never run, to be run again: {', '.join(older)}."]
 
 
 def git_runtime(repo: Path = REPO):

@@ -149,10 +149,10 @@ def test_rows_older_than_the_runtime_are_named_under_their_table(tmp_path):
     (results / "0.19.4" / "unit.measured").write_text("aaaaaaaaaaaa, 2026-12-02\n")
     runtime = ("cccccccccccc", lambda commit: commit == "bbbbbbbbbbbb")  # only b descends from the last change
     text = versions_table.render(results, ["0.19.4", "0.19.8"], ["2.15.0"], "today", runtime=runtime)
-    assert ("Older than the runtime that ships (its last change to `src/`, `setup.py` or `pyproject.toml`: "
-            "`cccccccccccc`), to be rerun: 0.19.4.") in text
-    assert "to be rerun: 2.15.0." in text  # not run at all: no commit, so not current either
+    assert ("Not measured on the runtime that ships (its last change to `src/`, `setup.py` or `pyproject.toml`: "
+            "`cccccccccccc`): older or never run, to be run again: 0.19.4.") in text
+    assert "to be run again: 2.15.0." in text  # not run at all: no commit, so not current either
     current = ("cccccccccccc", lambda commit: True)
     assert "Every row was measured on the runtime that ships" in versions_table.render(
         results, ["0.19.4", "0.19.8"], [], "today", runtime=current)
-    assert "Older than" not in versions_table.render(results, ["0.19.4", "0.19.8"], [], "today")  # no git: no claim
+    assert "Not measured" not in versions_table.render(results, ["0.19.4", "0.19.8"], [], "today")  # no git: no claim
