@@ -84,6 +84,12 @@ class Run:
         self.engines.append(engine)
         return engine
 
+    def release_lacks(self, reason: str):
+        """Stop the scenario: the installed deepspeed release cannot run it, under either runtime. Recorded, and the
+        parity test skips it naming ``reason`` (in CI too: no install step can add it)."""
+        self.extra["release_lacks"] = reason
+        raise RuntimeError(f"this deepspeed release {reason}")
+
     def loss(self, value: float):
         self.losses.append(float(value).hex())
 

@@ -107,7 +107,10 @@ def deepcompile_eager_fallback(run, args):
     parameter read in the forward gathered by ``ZeROOrderedDict`` for the active fallback, kept until the backward
     of that forward completes, then released by the fallback.
     """
-    from deepspeed.compile.z3_eager_fallback import DeepCompileZ3EagerFallback
+    try:
+        from deepspeed.compile.z3_eager_fallback import DeepCompileZ3EagerFallback
+    except ImportError:
+        run.release_lacks("has no DeepCompile eager fallback (deepspeed.compile.z3_eager_fallback, from 0.19.3)")
     from deepspeed.runtime.utils import register_output_backward_hooks
 
     torch.manual_seed(53)

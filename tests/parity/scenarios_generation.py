@@ -143,7 +143,12 @@ def generate_then_offload_states(run, args):
     model, engine = _engine(run, 36, **DEFAULT_KEYS)
     _train(run, engine, 0)
     _generate(run, model, 0)
-    engine.offload_states(include=[OffloadStateTypeEnum.lp_params, OffloadStateTypeEnum.lp_grads])
+    try:
+        engine.offload_states(include=[OffloadStateTypeEnum.lp_params, OffloadStateTypeEnum.lp_grads])
+    except AssertionError as error:  # stage 3's own check, before any state moved
+        if "Offloading is supported only for DeepSpeed FusedAdam" not in str(error):
+            raise
+        run.release_lacks("offloads no state without DeepSpeed's FusedAdam, a CUDA op (until 0.19.0)")
     engine.reload_states()
     _generate(run, model, 1)
     _train(run, engine, 1)
