@@ -47,9 +47,18 @@ def kill_switch_state():
     if value in _OFF_VALUES:
         return False, f"{KILL_SWITCH_ENV}={raw} (kill switch)"
     if value not in _ON_VALUES:
-        _warn_once(("env", raw), f"deepspeed-zero3: {KILL_SWITCH_ENV}={raw!r} is not understood; "
-                   f"use 1 (overlay on) or 0 (upstream untouched). Keeping the overlay on.")
+        # The overlay stays on so that initialize (check_kill_switch) refuses the value: an import cannot.
+        return True, f"{KILL_SWITCH_ENV}={raw!r} is not understood"
     return True, f"{KILL_SWITCH_ENV}={raw}"
+
+
+def check_kill_switch(environ) -> None:
+    """Raise ValueError for a ``DEEPSPEED_ZERO3`` value that is neither on nor off; called at initialize, where
+    every environment variable of ours is checked (one policy: a clear error there, never a guess)."""
+    raw = environ.get(KILL_SWITCH_ENV)
+    if raw is not None and raw.strip().lower() not in _OFF_VALUES | _ON_VALUES:
+        raise ValueError(f"{KILL_SWITCH_ENV}={raw!r} is not allowed: use 1 (or unset) for deepspeed-zero3's "
+                         f"runtime, or 0 for upstream's runtime untouched")
 
 
 def installed_deepspeed_version():

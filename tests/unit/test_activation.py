@@ -183,9 +183,13 @@ def test_kill_switch_on_values_keep_the_overlay_on_silently(monkeypatch, value):
 # ---------------------------------------------------------------------------- unknown kill-switch value (f)
 
 
-def test_unknown_kill_switch_value_warns_once_and_keeps_the_overlay_on(monkeypatch):
+KILL = "DEEPSPEED_ZERO3"
+
+
+def test_unknown_kill_switch_value_keeps_the_overlay_on_for_initialize_to_refuse(monkeypatch):
+    """One policy for our environment variables: a bad value is a ValueError at initialize (the coordinator calls
+    check_kill_switch), never a guess at import, where raising would break ``import deepspeed``."""
     monkeypatch.setenv("DEEPSPEED_ZERO3", "maybe")
-    monkeypatch.setattr(activation, "_warned", set())
     finder = activation.OverlayFinder()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -196,9 +200,13 @@ def test_unknown_kill_switch_value_warns_once_and_keeps_the_overlay_on(monkeypat
     assert [type(s.loader).__name__ for s in specs] == ["_AliasLoader"] * 4
     assert [s.loader.impl_name for s in specs[:2]] == list(OVERLAID_MODULES.values())
     assert [s.name for s in specs[:2]] == list(OVERLAID_MODULES)
-    assert [w.category for w in caught if not issubclass(w.category, DeprecationWarning)] == [RuntimeWarning]
-    assert str(caught[0].message) == ("deepspeed-zero3: DEEPSPEED_ZERO3='maybe' is not understood; use 1 (overlay on) "
-                                      "or 0 (upstream untouched). Keeping the overlay on.")
+    assert [str(w.message) for w in caught if "deepspeed-zero3" in str(w.message) or KILL in str(w.message)] == []
+    with pytest.raises(ValueError) as info:
+        activation.check_kill_switch({"DEEPSPEED_ZERO3": "maybe"})
+    assert str(info.value) == ("DEEPSPEED_ZERO3='maybe' is not allowed: use 1 (or unset) for deepspeed-zero3's "
+                               "runtime, or 0 for upstream's runtime untouched")
+    for fine in ({}, {"DEEPSPEED_ZERO3": "0"}, {"DEEPSPEED_ZERO3": " On "}, {"DEEPSPEED_ZERO3": ""}):
+        activation.check_kill_switch(fine)
 
 
 def test_finder_ignores_every_other_name():

@@ -36,6 +36,7 @@ from deepspeed import comm as dist
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 from deepspeed.utils.logging import logger
 
+from deepspeed_zero3.activation import check_kill_switch
 from deepspeed_zero3.runtime.zero.eager import eager_only
 from deepspeed_zero3.runtime.zero.gather import Gatherer, InflightParamRegistry, held_by_gathered_parameters
 from deepspeed_zero3.runtime.zero.keeping import BackwardKeeping
@@ -127,6 +128,7 @@ class PartitionedParameterCoordinator:
         # [Note: budgeted keeping]; the next eval forward's, [Note: keeping across no-grad passes]).
         self.kept: Dict[Parameter, None] = {}
         self.root_depth = 0
+        check_kill_switch(os.environ)
         self.stats_every = stats_every_from_env(os.environ)
         self.check_ranks = check_ranks_from_env(os.environ)
         self.order_check = PassOrderCheck(data_parallel_group)
@@ -270,7 +272,8 @@ class PartitionedParameterCoordinator:
             self.backward_passes += 1
             if self.stats_every and self.backward_passes % self.stats_every == 0 and (not dist.is_initialized()
                                                                                      or dist.get_rank() == 0):
-                logger.info(format_line(self.stats))
+                # Asked for by name, so printed: deepspeed's logger shows only warnings by default.
+                print(format_line(self.stats, self.backward_passes), flush=True)
 
     def _end_open_pass(self, abandoning: bool = False, keep_carry: bool = False) -> None:
         """Close a pass whose closing hook never came, and release everything gathered (``keep_carry``: except

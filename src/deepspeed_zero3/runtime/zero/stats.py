@@ -140,7 +140,7 @@ STATS_EVERY_ENV = "DEEPSPEED_ZERO3_STATS_EVERY"
 
 
 def stats_every_from_env(environ) -> int:
-    """Log one stats line every N backward passes when DEEPSPEED_ZERO3_STATS_EVERY=N (0 or unset: never)."""
+    """Print one stats line every N backward passes when DEEPSPEED_ZERO3_STATS_EVERY=N (0 or unset: never)."""
     raw = environ.get(STATS_EVERY_ENV, "").strip()
     if not raw:
         return 0
@@ -149,13 +149,13 @@ def stats_every_from_env(environ) -> int:
     except ValueError:
         every = -1
     if every < 0:
-        raise ValueError(f"{STATS_EVERY_ENV}={raw!r} is not allowed: expected a whole number of steps >= 0 "
-                         f"(0 turns the log line off)")
+        raise ValueError(f"{STATS_EVERY_ENV}={raw!r} is not allowed: expected a whole number of backward "
+                         f"passes >= 0 (0 turns the stats line off)")
     return every
 
 
-def format_line(stats: ZeroStats) -> str:
-    """One log line: the last pass of each kind, numel in millions."""
+def format_line(stats: ZeroStats, backward_passes: int) -> str:
+    """One line: the last pass of each kind, numel in millions, after ``backward_passes`` backward passes."""
     parts = []
     for kind in PassKind:
         last = stats.last(kind.value)
@@ -164,4 +164,4 @@ def format_line(stats: ZeroStats) -> str:
         parts.append(f"{kind.value}: {last.allgather_calls} gathers {last.allgather_numel / 1e6:.3f}M "
                      f"demand {last.demand_numel / 1e6:.3f}M peak-live {last.peak_live_numel / 1e6:.3f}M "
                      f"records {last.trace_records}")
-    return "deepspeed-zero3 stats | " + " | ".join(parts)
+    return f"deepspeed-zero3 stats after backward {backward_passes} | " + " | ".join(parts)
