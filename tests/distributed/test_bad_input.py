@@ -1,5 +1,8 @@
 """Bad ZeRO-3 settings fail at initialize with the key, the value and what is allowed."""
 
+import json
+import re
+
 import pytest
 
 from deepspeed_zero3.testing.engines import inference_engine, training_engine, zero3_config
@@ -39,3 +42,33 @@ def test_unknown_stage3_key_rejected():
         training_engine(tiny_mlp(), config_with("stage3_prefetch_bukcet_size", 5))
     assert "stage3_prefetch_bukcet_size" in str(info.value)
 
+
+
+@pytest.mark.parametrize("key", ["stage3_prefetch_bucket_size", "stage3_max_live_parameters",
+                                 "stage3_max_reuse_distance", "stage3_module_granularity_threshold"])
+@pytest.mark.parametrize("value", [True, False])
+def test_booleans_in_the_users_config_are_refused(key, value):
+    """[Note: booleans in the raw config]: upstream's config would have made ``true`` a bucket of 1."""
+    with pytest.raises(ValueError, match=rf"^zero_optimization.{key}={value} is not allowed: expected a number of "
+                       r"parameters \(an integer from 0 to 1e\+15\), not a boolean$"):
+        training_engine(tiny_mlp(), config_with(key, value))
+
+
+def test_booleans_are_refused_from_a_config_file(tmp_path):
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps(config_with("stage3_max_reuse_distance", True)))
+    with pytest.raises(ValueError, match=r"zero_optimization.stage3_max_reuse_distance=True is not allowed"):
+        inference_engine(tiny_mlp(), str(path))
+
+
+@pytest.mark.parametrize("name, value, allowed", [
+    ("DEEPSPEED_ZERO3", "maybe", "use 1 (or unset) for deepspeed-zero3's runtime, or 0"),
+    ("DEEPSPEED_ZERO3_STATS_EVERY", "often", "expected a whole number of backward passes >= 0"),
+    ("DEEPSPEED_ZERO3_CHECK_RANKS", "2", "use 1 to check the module order"),
+])
+def test_a_bad_environment_value_fails_initialize(monkeypatch, name, value, allowed):
+    """One policy for the three variables: a ValueError at initialize naming the variable, the value and what is
+    allowed."""
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=rf"^{name}='{value}' is not allowed: {re.escape(allowed)}"):
+        training_engine(tiny_mlp(), zero3_config())

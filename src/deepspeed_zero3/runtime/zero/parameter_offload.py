@@ -39,7 +39,7 @@ from deepspeed_zero3.runtime.zero.module_params import iter_params  # noqa: F401
 from deepspeed_zero3.runtime.zero.ordered_dict import ZeROOrderedDict, ensure_zero_ordered_dict, inject_zero_ordered_dicts
 from deepspeed_zero3.runtime.zero.param_registry import ParamStateRegistry, find_registry
 from deepspeed_zero3.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
-from deepspeed_zero3.runtime.zero.settings import PrefetchSettings
+from deepspeed_zero3.runtime.zero.settings import PrefetchSettings, reject_boolean_numels
 from deepspeed_zero3.runtime.zero.zenflow_params import ZenFlowParamLayout, check_zenflow_params
 
 
@@ -93,6 +93,7 @@ class DeepSpeedZeRoOffload:
         zero_module_granularity_threshold=0,
         log_trace_cache_warnings=False,
     ):
+        reject_boolean_numels(ds_config)  # [Note: booleans in the raw config]
         zero_module_granularity_threshold = check_granularity_threshold(zero_module_granularity_threshold or 0)
         self.settings = PrefetchSettings.from_config_values(prefetch_bucket_size, max_live_parameters,
                                                             max_reuse_distance)

@@ -1,5 +1,8 @@
 """The ZeRO-3 knobs the coordinator honours, validated with errors that name the config key."""
 
+import base64
+import json
+import os
 from dataclasses import dataclass
 
 # Larger than any model anyone trains, small enough to catch a unit mistake (bytes, or 1e30).
@@ -27,6 +30,41 @@ def validate_numel(key: str, value, allow_zero: bool = True) -> int:
         raise ValueError(f"zero_optimization.{key}={value} is not allowed: it is above {ABSURD_NUMEL:.0e} "
                          f"parameters; the value counts parameters (numel), not bytes")
     return value
+
+
+# The four numel keys as a user writes them (upstream's config refuses their bare field names).
+NUMEL_KEYS = ("stage3_prefetch_bucket_size", "stage3_max_live_parameters", "stage3_max_reuse_distance",
+              "stage3_module_granularity_threshold")
+
+
+def raw_zero_section(ds_config) -> dict:
+    """The user's own ``zero_optimization`` values: ``ds_config`` is what ``deepspeed.initialize`` was given (a
+    dict, a JSON file's path or base64-encoded JSON); {} for anything else."""
+    config = ds_config
+    if isinstance(config, str):
+        try:
+            if os.path.exists(config):
+                with open(config) as handle:
+                    config = json.load(handle)
+            else:
+                config = json.loads(base64.urlsafe_b64decode(config).decode())
+        except (OSError, ValueError):
+            return {}
+    section = config.get("zero_optimization") if isinstance(config, dict) else None
+    return section if isinstance(section, dict) else {}
+
+
+def reject_boolean_numels(ds_config) -> None:
+    """[Note: booleans in the raw config]
+    Upstream's config turns ``true`` into 1 and ``false`` into 0 before any value reaches us, so a
+    ``stage3_prefetch_bucket_size: true`` would silently become a bucket of 1. The user's own values are
+    read here, before the config's, and a boolean among the four numel keys is refused naming the key.
+    Negative and fractional values never get this far: upstream's config refuses them, with its own
+    message naming the key."""
+    section = raw_zero_section(ds_config)
+    for key in NUMEL_KEYS:
+        if isinstance(section.get(key), bool):
+            validate_numel(key, section[key])
 
 
 @dataclass(frozen=True)
