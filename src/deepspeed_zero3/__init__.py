@@ -7,7 +7,7 @@ imports it at every interpreter start.
 __version__ = "0.1.0"
 
 __all__ = ["__version__", "get_zero3_stats", "reset_zero3_stats", "abandon_step", "overlay_status",
-           "iter_gathered_parameters"]
+           "iter_gathered_parameters", "WeightStream", "TensorMeta", "StreamStats"]
 
 
 def __getattr__(name):
@@ -21,6 +21,9 @@ def __getattr__(name):
     if name == "iter_gathered_parameters":
         from deepspeed_zero3.weights import iter_gathered_parameters
         return iter_gathered_parameters
+    if name in ("WeightStream", "TensorMeta", "StreamStats"):
+        from deepspeed_zero3.runtime.zero import weight_stream
+        return getattr(weight_stream, name)
     if name == "overlay_status":
         from deepspeed_zero3.activation import overlay_status
         return overlay_status

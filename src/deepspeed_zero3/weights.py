@@ -26,7 +26,13 @@ def iter_gathered_parameters(model_or_engine, bucket_numel: Optional[int] = None
     """A stream of ``(name, full tensor)`` over the parameters of a ZeRO-3 model (or the selected ``names``).
 
     ``bucket_numel``: numel gathered per coalesced all-gather (default: the engine's
-    ``stage3_prefetch_bucket_size``; 0: one parameter at a time). ``merge_adapters=True`` on a peft model yields
+    ``stage3_prefetch_bucket_size``; 0: one parameter at a time; a whole float such as ``5e7`` is taken, as the
+    config takes it). ``names``: the parameter names to stream, as ``named_parameters()`` gives them, in the
+    model's order whatever the order given; an unknown name is refused with the closest known ones.
+    A parameter that is not partitioned (a module attached after ``initialize``) is yielded as it is, gathering
+    nothing. Buffers are not parameters and are not yielded; a tied parameter is yielded once, under its first
+    name. Use each tensor (copy, broadcast, load) before the loop moves on, where the stream may release it;
+    work queued on another CUDA stream must be synchronized first. ``merge_adapters=True`` on a peft model yields
     the base weights with the active LoRA adapters merged in, named as ``merge_and_unload()`` names them, gathering
     one LoRA layer at a time; the adapters themselves are not changed.
     """
@@ -39,7 +45,8 @@ def iter_gathered_parameters(model_or_engine, bucket_numel: Optional[int] = None
         from deepspeed_zero3.peft_merge import merged_units
         units = merged_units(module)
     else:
-        units = [_plain_unit(name, param) for name, param in module.named_parameters()]
+        units = [_plain_unit(name, param) if hasattr(param, "ds_id") else _unpartitioned_unit(name, param)
+                 for name, param in module.named_parameters()]
     if names is not None:
         units = _select(units, names)
     return WeightStream(coordinator, units, bucket_numel)
@@ -59,11 +66,11 @@ def _module_of(target) -> Module:
 def _coordinator_of(module: Module):
     from deepspeed_zero3.runtime.zero.param_registry import find_registry
 
-    for name, param in module.named_parameters():
-        if not hasattr(param, "ds_id"):
-            raise ValueError(f"iter_gathered_parameters expects a ZeRO-3 model: parameter {name!r} of "
-                             f"{type(module).__name__} is not partitioned (no ds_id). Pass the model after "
-                             f"deepspeed.initialize with zero_optimization.stage 3, or the engine itself.")
+    named = list(module.named_parameters())
+    if named and not any(hasattr(param, "ds_id") for _, param in named):
+        raise ValueError(f"iter_gathered_parameters expects a ZeRO-3 model: parameter {named[0][0]!r} of "
+                         f"{type(module).__name__} is not partitioned (no ds_id), nor is any other. Pass the model "
+                         f"after deepspeed.initialize with zero_optimization.stage 3, or the engine itself.")
     registry = find_registry(module)
     if registry is None:
         raise ValueError(f"iter_gathered_parameters: no deepspeed-zero3 engine manages this "
@@ -73,6 +80,8 @@ def _coordinator_of(module: Module):
 
 
 def _check_bucket(value) -> int:
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"iter_gathered_parameters: bucket_numel={value!r} is not allowed: expected a whole number of "
                          f"parameters >= 0 (0 gathers one parameter at a time), or None for the engine's "
@@ -83,6 +92,11 @@ def _check_bucket(value) -> int:
 def _plain_unit(name: str, param) -> StreamUnit:
     return StreamUnit(params=(param, ), produce=lambda: [(name, param.detach())],
                       meta=(TensorMeta(name, param.dtype, tuple(param.ds_shape)), ))
+
+
+def _unpartitioned_unit(name: str, param) -> StreamUnit:
+    return StreamUnit(params=(), produce=lambda: [(name, param.detach())],
+                      meta=(TensorMeta(name, param.dtype, tuple(param.shape)), ))
 
 
 def _select(units: List[StreamUnit], names: Iterable[str]) -> List[StreamUnit]:

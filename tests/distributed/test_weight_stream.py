@@ -144,6 +144,23 @@ def test_cpu_parameter_offload():
     engine.destroy()
 
 
+def test_whole_float_buckets_and_modules_attached_after_initialize():
+    """``bucket_numel=5e4`` is taken as the config takes ``5e7``; a plain parameter (a head attached after
+    initialize) is yielded as it is, gathering nothing."""
+    torch.manual_seed(0)
+    model = model_b()
+    engine = engine_over(model)
+    model.extra = torch.nn.Linear(3, 2)
+    stream = deepspeed_zero3.iter_gathered_parameters(engine, bucket_numel=5e4)
+    got = {name: tensor.clone() for name, tensor in stream}
+    assert torch.equal(got["extra.weight"], model.extra.weight.detach())
+    assert len(got) == len(list(model.named_parameters()))
+    # Before the first forward nothing is gathered, persistent parameters included: all of Model B, not the head.
+    assert (stream.stats.allgather_calls, stream.stats.allgather_numel) == (5, 199_876)
+    assert [m.shape for m in deepspeed_zero3.iter_gathered_parameters(engine).metadata()[-2:]] == [(2, 3), (2, )]
+    engine.destroy()
+
+
 def test_bad_input_is_named():
     torch.manual_seed(0)
     model = model_b()
@@ -154,7 +171,7 @@ def test_bad_input_is_named():
         deepspeed_zero3.iter_gathered_parameters(engine, names="head.weight")
     with pytest.raises(ValueError, match="bucket_numel=-1 is not allowed"):
         deepspeed_zero3.iter_gathered_parameters(engine, bucket_numel=-1)
-    with pytest.raises(ValueError, match="parameter 'weight' of Linear is not partitioned"):
+    with pytest.raises(ValueError, match="parameter 'weight' of Linear is not partitioned \\(no ds_id\\), nor is any other"):
         deepspeed_zero3.iter_gathered_parameters(torch.nn.Linear(2, 2))
     with pytest.raises(TypeError, match="got str"):
         deepspeed_zero3.iter_gathered_parameters("model")
