@@ -38,9 +38,13 @@ export PIP_CONSTRAINT := $(TORCH_PIN)
 endif
 BIN := $(VENV)/bin
 PORT ?= 29500
+# Ranks of a test launch (the exact counts are for 2 ranks).
 NPROC ?= 2
-# On a machine without GPUs DeepSpeed's CPU accelerator is used (gloo); with GPUs, NCCL.
-ACCEL := $(shell nvidia-smi -L >/dev/null 2>&1 && echo cuda || echo cpu)
+# The accelerator and the demo's ranks follow torch (tools/launch_plan.py, decided once per venv): cuda with one
+# rank per GPU (NCCL), else cpu with 2 ranks (gloo). `make demo NPROC=N` overrides the ranks.
+LAUNCH_PLAN = $(shell cat $(VENV)/.launch-plan 2>/dev/null)
+ACCEL = $(or $(word 1,$(LAUNCH_PLAN)),cpu)
+DEMO_NPROC = $(if $(filter command line environment,$(origin NPROC)),$(NPROC),$(or $(word 2,$(LAUNCH_PLAN)),2))
 # Each environment builds DeepSpeed's CPU comm op once; a shared cache is rebuilt by every other environment.
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.torch_extensions
 export DS_ACCELERATOR ?= $(ACCEL)
@@ -71,21 +75,27 @@ NVME_OP ?= 1
 define AIO_BUILD
 from deepspeed.ops.op_builder import AsyncIOBuilder
 builder = AsyncIOBuilder()
-if builder.is_compatible():
+try:
+    if not builder.is_compatible():
+        raise RuntimeError("no libaio-dev?")
     builder.load(verbose=False)
-else:
-    print("deepspeed-zero3: async_io op not buildable (no libaio-dev?); NVMe offload tests cannot run here")
+except Exception as error:
+    reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+    print(f"deepspeed-zero3: async_io op not built ({reason}); NVMe offload tests cannot run here")
 endef
 export AIO_BUILD
 
 # DeepSpeed's CPU comm op, built once here rather than by the first launch's ranks racing under a test timeout.
-$(VENV)/.ops: $(VENV)/.installed
+$(VENV)/.launch-plan: $(VENV)/.installed
+	$(BIN)/python tools/launch_plan.py > $@
+
+$(VENV)/.ops: $(VENV)/.installed $(VENV)/.launch-plan
 	@find $(TORCH_EXTENSIONS_DIR) -name lock -delete 2>/dev/null || true
 	$(BIN)/python -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()"
 	$(if $(filter 1,$(NVME_OP)),$(BIN)/python -c "$$AIO_BUILD")
 	touch $@
 
-venv: $(VENV)/.installed $(VENV)/.ops
+venv: $(VENV)/.installed $(VENV)/.launch-plan $(VENV)/.ops
 
 # tests/integration runs the real client libraries (Lightning, transformers, accelerate): installed
 # into the same venv afterwards, pinned, with torch and deepspeed held where they are by constraints.
@@ -104,7 +114,8 @@ clean-locks:
 	@find $(TORCH_EXTENSIONS_DIR) -name lock -delete 2>/dev/null || true
 
 demo: venv clean-locks
-	$(LAUNCH) examples/train_gpt.py; $(RELEASE_SHM)
+	DS_ACCELERATOR=$(DS_ACCELERATOR) $(BIN)/deepspeed --num_gpus $(DEMO_NPROC) --master_port $(PORT) \
+	  examples/train_gpt.py; $(RELEASE_SHM)
 
 test: test-unit test-parity test-distributed test-world4 test-integration
 
