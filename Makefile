@@ -3,6 +3,14 @@
 # then this package with `pip install .` (the activation .pth needs a real install, not -e).
 
 PYTHON ?= python3
+# Another Python (make test-versions' Python rows): PY_VERSION=3.13 takes pyenv's 3.13.x (or python3.13 on
+# PATH) and its own venv, .venv-py3.13.
+PY_VERSION ?=
+PYTHON_VERSIONS := 3.10 3.11 3.12 3.13
+PYENV_ROOT ?= $(HOME)/.pyenv
+ifneq ($(PY_VERSION),)
+PYTHON := $(or $(lastword $(wildcard $(PYENV_ROOT)/versions/$(PY_VERSION).*/bin/python$(PY_VERSION))),python$(PY_VERSION))
+endif
 # Extra pip arguments for torch. The package mirror CI uses serves the CPU build of 2.13.0; from PyPI a
 # Linux machine gets the multi-GB CUDA build, so on a CPU-only machine elsewhere pass
 # TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu".
@@ -22,9 +30,10 @@ endif
 DEFAULT_TORCH_VERSION := 2.13.0
 TORCH_VERSION ?= $(DEFAULT_TORCH_VERSION)
 TORCH_VERSIONS := 2.11.0 2.12.1 2.13.0 2.14.1 2.15.0
-# .venv for the defaults; else .venv-<release>, .venv-torch<version> or .venv-<release>-torch<version>.
+# .venv for the defaults; else .venv-<release>, .venv-torch<version>, .venv-<release>-torch<version>, each with
+# -py<version> for another Python.
 VENV_SUFFIX := $(if $(filter-out $(DEFAULT_DEEPSPEED_VERSION),$(DEEPSPEED_VERSION)),-$(DEEPSPEED_VERSION))$(if \
-	$(filter-out $(DEFAULT_TORCH_VERSION),$(TORCH_VERSION)),-torch$(TORCH_VERSION))
+	$(filter-out $(DEFAULT_TORCH_VERSION),$(TORCH_VERSION)),-torch$(TORCH_VERSION))$(if $(PY_VERSION),-py$(PY_VERSION))
 VENV ?= .venv$(VENV_SUFFIX)
 ifneq ($(VENV_SUFFIX),)
 # The op cache is per environment: one shared between them is rebuilt by each of them in turn.
@@ -157,11 +166,12 @@ test-counts: venv clean-locks
 	$(LAUNCH) $(DIST_PYTEST) $(COUNT_TESTS); $(RELEASE_SHM)
 
 # Every supported deepspeed release (torch 2.13.0): FULL_VERSIONS unit, distributed and parity tests, the others
-# unit tests, the parity smoke and the exact counts; then every torch of
-# TORCH_VERSIONS (deepspeed 0.19.8): unit tests, the torch parity smoke and the exact counts. One environment at a time, each in its
-# own venv; logs in versions-out/<release>/ and versions-out/torch-<version>/, then the tables in
+# unit tests, the parity smoke and the exact counts; then every torch of TORCH_VERSIONS (deepspeed 0.19.8): unit
+# tests, the torch parity smoke and the exact counts; then every Python of PYTHON_VERSIONS (deepspeed 0.19.8,
+# torch 2.13.0): unit tests and the parity smoke. One environment at a time, each in its own venv; logs in
+# versions-out/<release>/, versions-out/torch-<version>/ and versions-out/python-<version>/, then the tables in
 # docs/compat/versions.md. A subset reruns only those (the tables keep the others' last results):
-# make test-versions TEST_VERSIONS=0.19.4 TEST_TORCH_VERSIONS=  (an empty list skips that matrix)
+# make test-versions TEST_VERSIONS=0.19.4 TEST_TORCH_VERSIONS= TEST_PYTHON_VERSIONS=  (an empty list skips it)
 TEST_VERSIONS ?= $(SUPPORTED_DEEPSPEED_VERSIONS)
 TEST_TORCH_VERSIONS ?= $(TORCH_VERSIONS)
 # The whole suites for the first and last patch of each minor series and where the caller contract or a detected
@@ -170,6 +180,8 @@ FULL_VERSIONS ?= 0.16.0 0.16.3 0.16.4 0.16.9 0.17.0 0.17.6 0.18.0 0.18.1 0.18.9 
 VERSION_SUITES ?= unit distributed parity
 SMOKE_VERSION_SUITES ?= unit parity-smoke counts
 TORCH_SUITES ?= unit parity-torch counts-torch
+TEST_PYTHON_VERSIONS ?= $(PYTHON_VERSIONS)
+PYTHON_SUITES ?= unit parity-smoke
 VERSIONS_OUT ?= versions-out
 # $(call run-suites,<results folder>,<suites>,<make variables>)
 # Each suite records the commit it starts on (a rerun of one suite, or a commit made while another runs, must not
@@ -193,6 +205,7 @@ installed-versions:
 test-versions:
 	@$(foreach v,$(TEST_VERSIONS),$(call run-suites,$(v),$(if $(filter $(v),$(FULL_VERSIONS)),$(VERSION_SUITES),$(SMOKE_VERSION_SUITES)),DEEPSPEED_VERSION=$(v));)
 	@$(foreach t,$(TEST_TORCH_VERSIONS),$(call run-suites,torch-$(t),$(TORCH_SUITES),TORCH_VERSION=$(t) NVME_OP=0);)
+	@$(foreach p,$(TEST_PYTHON_VERSIONS),$(call run-suites,python-$(p),$(PYTHON_SUITES),PY_VERSION=$(p) NVME_OP=0);)
 	$(PYTHON) scripts/versions_table.py $(VERSIONS_OUT) docs/compat/versions.md
 
 test-unit: venv

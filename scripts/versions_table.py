@@ -2,7 +2,8 @@
 
     python scripts/versions_table.py RESULTS_DIR OUTPUT_MD
 
-RESULTS_DIR holds one folder per deepspeed release and one per torch release (``torch-<version>``), each with
+RESULTS_DIR holds one folder per deepspeed release, one per torch release (``torch-<version>``) and one per Python
+(``python-<version>``), each with
 ``<suite>.log`` (the suite's whole output), ``<suite>.rc`` (its exit status), ``<suite>.seconds`` and
 ``<suite>.measured`` (the commit it started on and the day; results written before there was one per suite
 have a folder-wide ``measured.txt``) and ``installed.txt`` (the venv's python, torch and deepspeed). Counts are read from pytest's closing lines ("3 passed, 1 skipped in 2.1s"); a distributed suite
@@ -36,6 +37,7 @@ SUITES = ("unit", "distributed", "parity", "parity-smoke", "counts")
 # A release run with the whole suites ran the smoke's scenarios and the exact counts inside them.
 _INSIDE = {"parity-smoke": "parity", "counts": "distributed"}
 TORCH_SUITES = ("unit", "parity-torch", "counts-torch")
+PYTHON_SUITES = ("unit", "parity-smoke")
 OUTCOMES = ("passed", "failed", "error", "skipped", "xfailed", "xpassed")
 _SUMMARY = re.compile(r"((?:\d+ (?:passed|failed|errors?|skipped|xfailed|xpassed|deselected|warnings?)"
                       r"(?:, )?)+) in [\d.]+s")
@@ -50,11 +52,20 @@ def supported_versions(repo: Path):
     return re.findall(r'"([^"]+)"', line)
 
 
+def makefile_list(repo: Path, name: str):
+    text = (repo / "Makefile").read_text()
+    line = next(line for line in text.splitlines() if line.startswith(f"{name} := "))
+    return line.split(":=", 1)[1].split()
+
+
 def torch_versions(repo: Path):
     """The Makefile's TORCH_VERSIONS: the torch matrix."""
-    text = (repo / "Makefile").read_text()
-    line = next(line for line in text.splitlines() if line.startswith("TORCH_VERSIONS := "))
-    return line.split(":=", 1)[1].split()
+    return makefile_list(repo, "TORCH_VERSIONS")
+
+
+def python_versions(repo: Path):
+    """The Makefile's PYTHON_VERSIONS: the Python matrix."""
+    return makefile_list(repo, "PYTHON_VERSIONS")
 
 
 def summaries(log_text: str):
@@ -130,7 +141,7 @@ def measured(folder: Path, suites) -> str:
 def previous_rows(text: str):
     """The rows of an earlier page, by section and first cell. A table written before the page had its
     ``measured`` column gets one: the day of that page, its commit not recorded."""
-    rows = {"deepspeed": {}, "torch": {}}
+    rows = {"deepspeed": {}, "torch": {}, "python": {}}
     written = re.search(r"Last written: (\d{4}-\d{2}-\d{2})", text)
     section, has_measured = None, True
     for line in text.splitlines():
@@ -138,6 +149,8 @@ def previous_rows(text: str):
             section = "deepspeed"
         elif line.startswith("## torch releases"):
             section = "torch"
+        elif line.startswith("## Python versions"):
+            section = "python"
         elif section and line.startswith(f"| {section} |"):
             has_measured = "| measured |" in line
         elif section and line.startswith("| ") and not line.startswith("| ---"):
@@ -187,7 +200,8 @@ def git_runtime(repo: Path = REPO):
     return commit, lambda other: git("merge-base", "--is-ancestor", commit, other).returncode == 0
 
 
-def render(results_dir: Path, versions, torches, today: str, previous: str = "", runtime=None) -> str:
+def render(results_dir: Path, versions, torches, today: str, previous: str = "", runtime=None,
+           pythons=()) -> str:
     """``runtime``: see ``git_runtime``; with it, each table ends with the rows older than the runtime."""
     table = _tables().markdown_table
     kept = previous_rows(previous)
@@ -249,6 +263,22 @@ def render(results_dir: Path, versions, torches, today: str, previous: str = "",
     lines.append(table(("torch", "measured", "installed", "unit", "parity smoke", "exact counts"), rows,
                        align="l" * (3 + len(TORCH_SUITES))))
     lines += staleness_line(rows, runtime)
+    if pythons:
+        lines += [
+            "",
+            "## Python versions",
+            "",
+            "Python `<version>` (pyenv's newest patch of it), torch 2.13.0, deepspeed 0.19.8: unit tests and one",
+            "2-rank parity launch per runtime over the Makefile's `SMOKE_SCENARIOS`.",
+            "",
+        ]
+        rows = [row("python", python, results_dir / f"python-{python}", PYTHON_SUITES,
+                    lambda folder: [installed(folder), *(cell(read_suite(folder, suite)) for suite in PYTHON_SUITES)],
+                    3 + len(PYTHON_SUITES))
+                for python in pythons]
+        lines.append(table(("python", "measured", "installed", "unit", "parity smoke"), rows,
+                           align="l" * (3 + len(PYTHON_SUITES))))
+        lines += staleness_line(rows, runtime)
     return "\n".join(lines) + "\n"
 
 
@@ -257,8 +287,8 @@ def main(argv):
         sys.stderr.write(__doc__)
         return 2
     results_dir, output = Path(argv[1]), Path(argv[2])
-    versions, torches = supported_versions(REPO), torch_versions(REPO)
-    known = set(versions) | {f"torch-{torch}" for torch in torches}
+    versions, torches, pythons = supported_versions(REPO), torch_versions(REPO), python_versions(REPO)
+    known = set(versions) | {f"torch-{torch}" for torch in torches} | {f"python-{p}" for p in pythons}
     extra = sorted(p.name for p in results_dir.iterdir() if p.is_dir() and p.name not in known) \
         if results_dir.is_dir() else []
     if extra:
@@ -266,7 +296,7 @@ def main(argv):
     previous = output.read_text() if output.exists() else ""
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(render(results_dir, versions, torches, datetime.datetime.now(datetime.timezone.utc)
-                             .strftime("%Y-%m-%d %H:%M UTC"), previous, git_runtime()))
+                             .strftime("%Y-%m-%d %H:%M UTC"), previous, git_runtime(), pythons))
     print(output.read_text(), end="")
     return 0
 

@@ -83,6 +83,27 @@ def test_the_torch_table_lists_every_torch_of_the_matrix_with_what_was_installed
     ]
 
 
+def test_the_python_table_lists_every_python_of_the_matrix(tmp_path):
+    results = tmp_path / "versions-out"
+    write_suite(results / "python-3.13", "unit", "300 passed in 40.0s\n", 0, 41)
+    write_suite(results / "python-3.13", "parity-smoke", "8 passed, 1 skipped in 90.0s\n", 0, 95)
+    (results / "python-3.13" / "installed.txt").write_text("python 3.13.0, torch 2.13.0, deepspeed 0.19.8\n")
+    (results / "python-3.13" / "measured.txt").write_text("0123456789ab, 2026-12-04\n")
+
+    text = versions_table.render(results, [], [], "today", pythons=["3.10", "3.13"])
+    assert "## Python versions" in text
+    rows = [line for line in text.splitlines() if line.startswith("| 3.1")]
+    assert rows == [
+        "| 3.10 | not recorded | not run | not run | not run |",
+        "| 3.13 | 0123456789ab, 2026-12-04 | python 3.13.0, torch 2.13.0, deepspeed 0.19.8 | ok: 300 passed, 0 failed; "
+        "41 s | ok: 8 passed, 0 failed, 1 skipped; 95 s |",
+    ]
+    # A rerun of another row keeps this one from the page.
+    again = versions_table.render(tmp_path / "empty", [], [], "later", previous=text, pythons=["3.10", "3.13"])
+    assert [line for line in again.splitlines() if line.startswith("| 3.13")] == rows[1:]
+    assert versions_table.python_versions(versions_table.REPO) == ["3.10", "3.11", "3.12", "3.13"]
+
+
 OLD_PAGE = """Last written: 2026-12-02 17:54 UTC.
 
 ## deepspeed releases
