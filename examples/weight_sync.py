@@ -16,10 +16,31 @@ import torch.distributed as dist
 
 import deepspeed
 import deepspeed_zero3
-from deepspeed_zero3.testing.engines import token_batch, training_engine, zero3_config
-from deepspeed_zero3.testing.models import TinyGPT
+from deepspeed_zero3.testing.models import TinyGPT  # a small causal transformer: any nn.Module would do
 
 MODEL = dict(vocab=128, dim=64, heads=4, layers=4, max_seq=64)
+
+
+def ds_config(bucket: int) -> dict:
+    """The whole DeepSpeed config: ZeRO-3, fp32 (CPUs have no fp16), no prefetch reuse."""
+    return {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {
+            "stage": 3,
+            "stage3_param_persistence_threshold": 0,
+            "stage3_prefetch_bucket_size": bucket,
+            "stage3_max_reuse_distance": 0,
+        },
+        "steps_per_print": 10**9,
+    }
+
+
+def token_batch(step: int, rank: int, batch_size=4, seq=16, vocab=MODEL["vocab"]):
+    """Random tokens, different per step and rank, the same on every run."""
+    generator = torch.Generator().manual_seed(4321 + 7919 * step + 104729 * rank)
+    tokens = torch.randint(0, vocab, (batch_size, seq + 1), generator=generator)
+    return tokens[:, :-1], tokens[:, 1:]
 
 
 @torch.no_grad()
@@ -43,11 +64,13 @@ def main():
     torch.manual_seed(0)
     model = TinyGPT(**MODEL)
     plain = TinyGPT(**MODEL).eval()  # the inference side: a whole copy, never partitioned
-    engine = training_engine(model, zero3_config(bucket=args.bucket, reuse=0))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config(args.bucket))
+    plain.to(engine.device)
     destination = dict(plain.named_parameters())
 
     for step in range(args.steps):
-        inputs, targets = token_batch(step, rank, vocab=MODEL["vocab"])
+        inputs, targets = (t.to(engine.device) for t in token_batch(step, rank))
         loss = engine(inputs, targets)
         engine.backward(loss)
         engine.step()
@@ -59,7 +82,7 @@ def main():
                 destination[name].copy_(tensor)
         synced = time.perf_counter() - start
 
-        prompt, _ = token_batch(100 + step, rank, batch_size=2, seq=4, vocab=MODEL["vocab"])
+        prompt = token_batch(100 + step, rank, batch_size=2, seq=4)[0].to(engine.device)
         engine.eval()
         sharded_tokens = greedy(engine.module, prompt, args.new_tokens)
         engine.train()
