@@ -3,8 +3,9 @@
     DS_ACCELERATOR=cpu deepspeed --num_gpus 2 --master_port 29700 examples/train_gpt.py
 
 The token embedding and the first block are frozen and stay in eval mode while the rest
-trains: the partially frozen model that upstream's ``module.training`` asserts reject.
-After training, a second (inference) engine is built over the same model, the
+trains (a partially frozen model, as LoRA or a frozen vision tower makes), and an eval pass
+runs every 10 steps: each kind of pass keeps its own prefetch trace here, where upstream's one
+trace spans them all and fetches on demand whenever the kind changes. After training, a second (inference) engine is built over the same model, the
 validate-then-fit pattern, and the training engine must still step afterwards.
 """
 
