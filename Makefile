@@ -234,7 +234,7 @@ test-integration: venv venv-int clean-locks
 test-world4: venv clean-locks
 	LOCAL_SIZE=4 $(BIN)/deepspeed --num_gpus 4 --master_port $(PORT) $(DIST_PYTEST) -m world_size tests/distributed; $(RELEASE_SHM)
 
-# GPU checks (world size 1, NCCL, offloaded parameters; README "On GPUs"). Without CUDA tests/gpu say so and
+# GPU checks (world size 1, NCCL, offloaded parameters; docs/maintaining.md "On GPUs"). Without CUDA tests/gpu say so and
 # skip, exit 0. GPU_PYTHON picks another interpreter (a GPU machine's own, with CUDA torch) instead of the venv.
 GPU_PYTHON ?= $(BIN)/python
 
