@@ -7,7 +7,8 @@ imports it at every interpreter start.
 __version__ = "0.1.0"
 
 __all__ = ["__version__", "get_zero3_stats", "reset_zero3_stats", "abandon_step", "overlay_status",
-           "iter_gathered_parameters", "WeightStream", "TensorMeta", "StreamStats"]
+           "iter_gathered_parameters", "WeightStream", "TensorMeta", "StreamStats",
+           "save_16bit_model", "consolidated_16bit_state_dict"]
 
 
 def __getattr__(name):
@@ -24,6 +25,9 @@ def __getattr__(name):
     if name in ("WeightStream", "TensorMeta", "StreamStats"):
         from deepspeed_zero3.runtime.zero import weight_stream
         return getattr(weight_stream, name)
+    if name in ("save_16bit_model", "consolidated_16bit_state_dict"):
+        from deepspeed_zero3 import save
+        return getattr(save, name)
     if name == "overlay_status":
         from deepspeed_zero3.activation import overlay_status
         return overlay_status

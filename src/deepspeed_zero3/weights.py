@@ -52,6 +52,11 @@ def iter_gathered_parameters(model_or_engine, bucket_numel: Optional[int] = None
     return WeightStream(coordinator, units, bucket_numel)
 
 
+def stream_module(target) -> Module:
+    """The module a stream (or a save) reads: the engine's, or ``target`` itself."""
+    return _module_of(target)
+
+
 def _module_of(target) -> Module:
     from deepspeed.runtime.engine import DeepSpeedEngine
 
