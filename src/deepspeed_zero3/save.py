@@ -175,6 +175,33 @@ def _agree_on_directory(save_dir: str, rank: int, world: int) -> None:
                          f"({problem or 'see rank 0'})")
 
 
+def _write_shards(tensors, shards, files, save_dir: str, safe: bool, rank: int) -> None:
+    """Rank 0 writes each shard as the stream fills it; the other ranks iterate alike (each bucket a collective)."""
+    for shard, file_name in zip(shards, files):
+        path = os.path.join(save_dir, file_name)
+        writer = SafetensorsWriter(path, [(e.name, e.dtype, e.shape) for e in shard]) if safe and rank == 0 else None
+        held = OrderedDict()
+        for entry in shard:
+            if entry.buffer is None:
+                name, tensor = next(tensors)
+                if name != entry.name:
+                    raise RuntimeError(f"save_16bit_model: the stream gave {name!r} where the plan has {entry.name!r}")
+            else:
+                tensor = entry.buffer
+            if rank != 0:
+                continue
+            if writer is not None:
+                writer.append(entry.name, tensor)
+            else:
+                held[entry.name] = tensor.detach().to("cpu", copy=True)
+        if writer is not None:
+            writer.close()
+        elif rank == 0:
+            torch.save(held, path)
+    for _ in tensors:  # the stream's end: nothing left, but every rank finishes it alike
+        raise RuntimeError("save_16bit_model: the stream has tensors the plan does not")
+
+
 def save_16bit_model(model_or_engine, save_dir, max_shard_size="5GB", safe_serialization: bool = True,
                      exclude_frozen_parameters: bool = False, merge_adapters: bool = False,
                      bucket_numel: Optional[int] = None) -> List[str]:
@@ -204,32 +231,12 @@ def save_16bit_model(model_or_engine, save_dir, max_shard_size="5GB", safe_seria
     _agree_on_directory(save_dir, rank, world)
 
     tensors = iter(stream)
-    with stream:
-        for shard, file_name in zip(shards, files):
-            path = os.path.join(save_dir, file_name)
-            writer = SafetensorsWriter(path, [(e.name, e.dtype, e.shape) for e in shard]) \
-                if safe_serialization and rank == 0 else None
-            held = OrderedDict()
-            for entry in shard:
-                if entry.buffer is None:
-                    name, tensor = next(tensors)
-                    if name != entry.name:
-                        raise RuntimeError(f"save_16bit_model: the stream gave {name!r} where the plan has "
-                                           f"{entry.name!r}")
-                else:
-                    tensor = entry.buffer
-                if rank != 0:
-                    continue
-                if writer is not None:
-                    writer.append(entry.name, tensor)
-                else:
-                    held[entry.name] = tensor.detach().to("cpu", copy=True)
-            if writer is not None:
-                writer.close()
-            elif rank == 0:
-                torch.save(held, path)
-        for _ in tensors:  # the stream's end: nothing left, but every rank closes it alike
-            raise RuntimeError("save_16bit_model: the stream has tensors the plan does not")
+    try:
+        _write_shards(tensors, shards, files, save_dir, safe_serialization, rank)
+    except Exception as error:
+        stream.note_error(error)  # the other ranks' error names it ([Note: a stream stops together])
+        tensors.close()
+        raise
     if rank == 0:
         if index is not None:
             weight_map = {e.name: file_name for shard, file_name in zip(shards, files) for e in shard}

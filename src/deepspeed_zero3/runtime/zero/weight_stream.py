@@ -13,7 +13,8 @@ tensor, and nothing in flight while the consumer works, are what make it slow.
 * It uses the runtime's gather path (the all-gather stream, its back-pressure), but its
   parameters are not the coordinator's ``live`` ones: it marks them held as ``GatheredParameters``
   does, so no pass releases them, and it refuses to start while a pass runs. Leaving early completes what is in flight and releases
-  all it gathered. Every rank must iterate alike: each bucket is a collective.
+  all it gathered. Every rank must iterate alike: each bucket is a collective, and a rank that
+  stops alone stops the others after that bucket ([Note: a stream stops together]).
 """
 
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ from deepspeed_zero3.runtime.zero.capabilities import HELD_MARK_ATTR
 from deepspeed_zero3.runtime.zero.gather import held_by_gathered_parameters
 from deepspeed_zero3.runtime.zero.nvme_swap import blocks_gather, on_nvme
 from deepspeed_zero3.runtime.zero.release import release as release_gathered
+from deepspeed_zero3.runtime.zero.stream_lockstep import StreamLockstep
 
 
 @dataclass(frozen=True)
@@ -132,6 +134,10 @@ class WeightStream:
         self.stats = StreamStats()
         self._buckets: Optional[List[_Bucket]] = None
         self._generator: Optional[Iterator] = None
+        first = next((p for u in self.units for p in u.params), None)
+        # [Note: a stream stops together]: over the ranks that gather together.
+        self.lockstep = StreamLockstep(getattr(first, "ds_process_group", None))
+        self.stop_error: Optional[BaseException] = None
 
     # ---------------------------------------------------------------- what a consumer reads first
 
@@ -167,6 +173,11 @@ class WeightStream:
         self.close()
         return False
 
+    def note_error(self, error: BaseException) -> None:
+        """Why this rank is about to leave the loop: the other ranks' error names it ([Note: a stream stops
+        together])."""
+        self.stop_error = error
+
     def close(self) -> None:
         """Stop early: complete what is in flight and release everything the stream gathered."""
         if self._generator is not None:
@@ -196,9 +207,18 @@ class WeightStream:
                     if (held + ahead.pending_numel <= 2 * self.bucket_numel + self.largest_unit
                             and self._swap_buffers_free_for(ahead)):
                         self._issue(ahead)
-                self._wait(bucket, check=True)
-                pairs = [pair for unit in bucket.units for pair in unit.produce()]
-                yield bucket, pairs
+                last = bucket.units[-1].meta[-1].name if bucket.units[-1].meta else ""
+                try:
+                    self._wait(bucket, check=True)
+                    pairs = [pair for unit in bucket.units for pair in unit.produce()]
+                    yield bucket, pairs
+                except GeneratorExit:
+                    self.lockstep.stopped(last, self.stop_error)  # [Note: a stream stops together]
+                    raise
+                except Exception as error:
+                    self.lockstep.stopped(last, error)
+                    raise
+                self.lockstep.went_on(last)
                 self._release(bucket, buckets[index + 1:])
         finally:
             for bucket in buckets:
