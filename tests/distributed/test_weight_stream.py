@@ -158,6 +158,9 @@ def test_whole_float_buckets_and_modules_attached_after_initialize():
     # Before the first forward nothing is gathered, persistent parameters included: all of Model B, not the head.
     assert (stream.stats.allgather_calls, stream.stats.allgather_numel) == (5, 199_876)
     assert [m.shape for m in deepspeed_zero3.iter_gathered_parameters(engine).metadata()[-2:]] == [(2, 3), (2, )]
+    info = deepspeed_zero3.iter_gathered_parameters(engine, names=["head.weight", "extra.bias"]).vllm_update_info()
+    assert info == {"names": ["head.weight", "extra.bias"], "dtype_names": ["float32", "float32"],
+                    "shapes": [list(model.head.weight.ds_shape), [2]]}
     engine.destroy()
 
 

@@ -12,9 +12,10 @@ tensor, and nothing in flight while the consumer works, are what make it slow.
   is yielded as it is and never released by the stream.
 * It uses the runtime's gather path (the all-gather stream, its back-pressure), but its
   parameters are not the coordinator's ``live`` ones: it marks them held as ``GatheredParameters``
-  does, so no pass releases them, and it refuses to start while a pass runs. Leaving early completes what is in flight and releases
-  all it gathered. Every rank must iterate alike: each bucket is a collective, and a rank that
-  stops alone stops the others after that bucket ([Note: a stream stops together]).
+  does, so no pass releases them, and it refuses to start while a pass runs. Leaving early
+  completes what is in flight and releases all it gathered. Every rank must iterate alike: each
+  bucket is a collective, and a rank that stops alone stops the others after that bucket
+  ([Note: a stream stops together]).
 """
 
 from dataclasses import dataclass, field
@@ -143,6 +144,14 @@ class WeightStream:
 
     def metadata(self) -> List[TensorMeta]:
         return [meta for unit in self.units for meta in unit.meta]
+
+    def vllm_update_info(self) -> dict:
+        """``metadata()`` in the form vLLM's weight-update request takes (``names``, ``dtype_names`` such as
+        "bfloat16", ``shapes``), gathering nothing: what a receiver needs before the first bucket."""
+        metadata = self.metadata()
+        return {"names": [m.name for m in metadata],
+                "dtype_names": [str(m.dtype).removeprefix("torch.") for m in metadata],
+                "shapes": [list(m.shape) for m in metadata]}
 
     def groups(self) -> List[List[str]]:
         """The names of each bucket, in order: what ``iter_groups()`` yields together."""
