@@ -87,3 +87,18 @@ def set_lora_modes(model, eval_base: bool) -> None:
 
 def modules_in_training_mode(model):
     return [name for name, module in model.named_modules() if module.training]
+
+
+def make_merge_llama():
+    """LoRA on q_proj, v_proj and the token embedding (a lora.Embedding), lm_head in modules_to_save, and a second
+    adapter with a LoRA bias on q_proj (the attention has biases here), both active: every merge path."""
+    from peft import LoraConfig, get_peft_model
+
+    base = make_llama(attention_bias=True)
+    torch.manual_seed(7)
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, modules_to_save=["lm_head"],
+                                            target_modules=["q_proj", "v_proj", "embed_tokens"]))
+    model.add_adapter("second", LoraConfig(r=2, lora_alpha=4, lora_dropout=0.0, target_modules=["q_proj"],
+                                           lora_bias=True))
+    model.base_model.set_adapter(["default", "second"])
+    return model

@@ -25,8 +25,8 @@ from accelerate import Accelerator  # noqa: E402
 from accelerate.state import AcceleratorState  # noqa: E402
 from accelerate.utils import DeepSpeedPlugin  # noqa: E402
 
-from client_common import (advantages, generate, grpo_loss, make_lora_llama, modules_in_training_mode,  # noqa: E402
-                           prompts, sampling_seed, set_lora_modes, train_batch)
+from client_common import (advantages, generate, grpo_loss, make_lora_llama, make_merge_llama,  # noqa: E402
+                           modules_in_training_mode, prompts, sampling_seed, set_lora_modes, train_batch)
 from common import crash_record, finish_flow, make_llama, parse_flow_args, runtime_name  # noqa: E402
 from deepspeed_zero3.testing.instrument import GatherMeter  # noqa: E402
 
@@ -174,21 +174,6 @@ def generate_interleaved(events):
     return engine
 
 
-def make_merge_llama():
-    """LoRA on q_proj, v_proj and the token embedding (a lora.Embedding), lm_head in modules_to_save, and a second
-    adapter with a LoRA bias on q_proj (the attention has biases here), both active: every merge path."""
-    from peft import LoraConfig, get_peft_model
-
-    base = make_llama(attention_bias=True)
-    torch.manual_seed(7)
-    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, modules_to_save=["lm_head"],
-                                            target_modules=["q_proj", "v_proj", "embed_tokens"]))
-    model.add_adapter("second", LoraConfig(r=2, lora_alpha=4, lora_dropout=0.0, target_modules=["q_proj"],
-                                           lora_bias=True))
-    model.base_model.set_adapter(["default", "second"])
-    return model
-
-
 def lora_merge_stream(events):
     """Two LoRA training steps, then the merged weights streamed out one layer at a time
     (``iter_gathered_parameters(engine, merge_adapters=True)``), against peft's own ``merge_and_unload()`` on a
@@ -237,8 +222,51 @@ def lora_merge_stream(events):
     return engine
 
 
+def save_from_pretrained(events):
+    """``deepspeed_zero3.save_16bit_model`` of a tied tiny Llama (in 40 KB shards) and of the merged LoRA model,
+    each with its config and the gathered parameters beside it; the test loads them with transformers'
+    ``from_pretrained`` in its own process (here HF's ZeRO-3 integration is on, and a model built on rank 0 alone
+    would run zero.Init's collectives alone). Ours only (the save is ours)."""
+    import tempfile
+
+    import deepspeed
+    import deepspeed_zero3
+
+    def full_copies(engine):
+        named = list(engine.module.named_parameters())
+        with deepspeed.zero.GatheredParameters([p for _, p in named]):
+            return {name: p.detach().clone() for name, p in named}
+
+    event = {"kind": "save"}
+    accelerator, engine, optimizer = prepare(make_llama(tie_word_embeddings=True))
+    box = [tempfile.mkdtemp(prefix="ds_zero3_save_") if rank() == 0 else None]
+    torch.distributed.broadcast_object_list(box, src=0)  # one directory, rank 0's, as a job's save_dir is
+    root = event["root"] = box[0]
+    for step in range(2):
+        ids = train_batch(rank(), step)
+        train_step(accelerator, optimizer, engine(input_ids=ids, labels=ids).loss)
+    full = full_copies(engine)
+    event["files"] = deepspeed_zero3.save_16bit_model(engine, os.path.join(root, "plain"), max_shard_size="40KB")
+    if rank() == 0:
+        engine.module.config.save_pretrained(os.path.join(root, "plain"))
+        torch.save(full, os.path.join(root, "plain_gathered.pt"))
+    engine.destroy()
+
+    accelerator, engine, optimizer = prepare(make_merge_llama())
+    for step in range(2):
+        ids = train_batch(rank(), step)
+        train_step(accelerator, optimizer, engine(input_ids=ids, labels=ids).loss)
+    before = full_copies(engine)
+    deepspeed_zero3.save_16bit_model(engine, os.path.join(root, "merged"), merge_adapters=True)
+    if rank() == 0:
+        engine.module.base_model.model.config.save_pretrained(os.path.join(root, "merged"))
+        torch.save(before, os.path.join(root, "merged_gathered.pt"))
+    events.append(event)
+    return engine
+
+
 FLOWS = {f.__name__: f for f in (grpo_gather, grpo_no_gather, lora_eval_base, lora_checkpointing, generate_interleaved,
-                                 lora_merge_stream)}
+                                 lora_merge_stream, save_from_pretrained)}
 
 
 def save_params(engine, path):

@@ -16,6 +16,7 @@ equal bitwise.
 """
 
 import importlib.util
+from pathlib import Path
 
 import pytest
 import torch
@@ -50,7 +51,8 @@ LORA_MODULES = 36
 
 @pytest.fixture(scope="module")
 def ours(launches):
-    return launches(SCRIPT, FLOWS + ([] if AGAINST_UPSTREAM else ["lora_merge_stream"]), upstream=AGAINST_UPSTREAM)
+    return launches(SCRIPT, FLOWS + ([] if AGAINST_UPSTREAM else ["lora_merge_stream", "save_from_pretrained"]),
+                    upstream=AGAINST_UPSTREAM)
 
 
 @pytest.fixture(scope="module")
@@ -157,3 +159,40 @@ def test_merged_lora_stream_equals_peft_merge_bitwise(ours):
         assert stats["allgather_numel"] == event["partitioned_numel"]  # every partitioned parameter it needs, once
         # Layer by layer, never the whole model: at most two buckets at once.
         assert stats["peak_gathered_numel"] <= 2 * event["bucket"] + event["largest_unit"] < event["model_numel"]
+
+
+def test_save_16bit_model_loads_with_from_pretrained(ours):
+    """deepspeed_zero3.save_16bit_model's files load with transformers' from_pretrained, bitwise: the tied Llama
+    from 40 KB shards (its head written once and tied again on load), and the merged LoRA model equal to peft's
+    own merge of the gathered model."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from client_common import make_merge_llama
+
+    if AGAINST_UPSTREAM:
+        pytest.skip("save_16bit_model is deepspeed-zero3's")
+    results = ours.results("save_from_pretrained")
+    for result in results:
+        assert result["status"] == "ok", result.get("traceback")
+    (event, ) = results[0]["events"]
+    root = Path(event["root"])
+    try:
+        assert event["files"][-1] == "model.safetensors.index.json" and len(event["files"]) > 2, event["files"]
+        loaded = AutoModelForCausalLM.from_pretrained(root / "plain")
+        gathered = torch.load(root / "plain_gathered.pt", weights_only=True)
+        state = loaded.state_dict()
+        assert sorted(state) == sorted([*gathered, "lm_head.weight"])  # tied: named_parameters() names it once
+        assert all(torch.equal(state[name], gathered[name]) for name in gathered)
+        assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+
+        plain = make_merge_llama()
+        plain.load_state_dict(torch.load(root / "merged_gathered.pt", weights_only=True))
+        expected = dict(plain.merge_and_unload().named_parameters())
+        merged = dict(AutoModelForCausalLM.from_pretrained(root / "merged").named_parameters())
+        assert sorted(merged) == sorted(expected)
+        assert all(torch.equal(merged[name], expected[name]) for name in expected)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
