@@ -62,3 +62,17 @@ def test_weight_sync_example(tmp_path):
     assert launched.returncode == 0, text[-4000:]
     assert "the plain copy generated exactly what the ZeRO-3 model generated after every step" in text
     assert text.count("generated tokens equal") == 2
+
+
+def test_sync_to_inference_example(tmp_path):
+    """A receiver process outside the training group gets every step's weights over its own process group
+    (metadata first, then one flat buffer per bucket): bitwise equal weights and generations."""
+    log = tmp_path / "sync_to_inference.log"
+    launched = launching.run(
+        lambda port: launching.deepspeed_command(2, port, [str(REPO / "examples" / "sync_to_inference.py"), "--steps",
+                                                           "2", "--timed", "1"]),
+        launching.runtime_env("ours", 2, DS_ACCELERATOR="cpu"), TIMEOUT_S, log=log)
+    text = log.read_text()
+    assert launched.returncode == 0, text[-4000:]
+    assert text.count("the receiver's weights equal the trainer's bitwise, and its 16 generated tokens too") == 2
+    assert "sync to inference: the receiver matched the trainer after every step" in text
