@@ -45,11 +45,29 @@ def swap_dir_for_all_ranks() -> str:
     return name[0]
 
 
+def swap_pool_needs_accelerator_pinning() -> bool:
+    """Whether this release's swap buffer pool asserts that the accelerator pinned its buffers (before it asked
+    the aio handle, as later releases do), where this accelerator pins nothing (the CPU one): its swapper cannot start
+    under either runtime."""
+    import inspect
+
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.runtime.swap_tensor.utils import SwapBufferPool
+
+    if "aio_handle" in inspect.signature(SwapBufferPool.__init__).parameters:
+        return False
+    accelerator = get_accelerator()
+    return not accelerator.is_pinned(accelerator.pin_memory(torch.empty(8, dtype=torch.uint8)))
+
+
 def nvme_param_offload(run, args):
     """Training steps and no-grad eval forwards with every big partition on NVMe; losses and parameters bitwise."""
     if not AsyncIOBuilder().is_compatible():
         run.extra["unavailable"] = UNAVAILABLE
         raise RuntimeError(UNAVAILABLE)
+    if swap_pool_needs_accelerator_pinning():
+        run.release_lacks("asserts that its NVMe swap buffers are pinned by the accelerator, which pins nothing here "
+                          "(the CPU accelerator): its swapper cannot start")
     rank = torch.distributed.get_rank()
     swap_dir = swap_dir_for_all_ranks()
     try:

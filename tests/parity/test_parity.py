@@ -164,6 +164,8 @@ def test_nvme_partitions_are_read_ahead_of_use(runs):
     ours = record_of(runs["overlay", 2], "nvme_param_offload")
     if ours is None or (ours.get("unavailable") and not os.environ.get("CI")):
         pytest.skip("nvme_param_offload did not run here")
+    if ours.get("release_lacks"):
+        pytest.skip(f"nvme_param_offload: this deepspeed release {ours['release_lacks']}")
     assert ours["params_on_nvme"] == 4
     passes = ours["swap_ins"]
     assert [p["kind"] for p in passes] == ["forward", "backward", "eval_forward"] * 5
