@@ -55,7 +55,8 @@ class StreamLockstep:
 
     def _reports(self, mine):
         reports = [None] * dist.get_world_size(group=self.group)
-        dist.all_gather_object(reports, (dist.get_rank(), mine), group=self.group)
+        # torch's own: deepspeed.comm has no all_gather_object on some supported releases (0.16.0).
+        torch.distributed.all_gather_object(reports, (dist.get_rank(), mine), group=self.group)
         return reports
 
 
