@@ -69,7 +69,7 @@ def _module_of(target) -> Module:
 
 
 def _coordinator_of(module: Module):
-    from deepspeed_zero3.runtime.zero.param_registry import find_registry
+    from deepspeed_zero3.runtime.zero.registry_lookup import find_registry
 
     named = list(module.named_parameters())
     if named and not any(hasattr(param, "ds_id") for _, param in named):

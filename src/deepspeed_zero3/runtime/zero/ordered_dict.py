@@ -17,7 +17,7 @@ from deepspeed.utils.logging import logger
 from deepspeed_zero3.runtime.zero import capabilities
 from deepspeed_zero3.runtime.zero.gather import held_by_gathered_parameters
 from deepspeed_zero3.runtime.zero.hooks import FWD_MODULE_STACK
-from deepspeed_zero3.runtime.zero.param_registry import REGISTRY_ATTR, find_registry
+from deepspeed_zero3.runtime.zero.registry_lookup import REGISTRY_ATTR, find_registry
 
 
 class ZeROOrderedDict(OrderedDict):

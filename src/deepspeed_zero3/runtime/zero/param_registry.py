@@ -15,7 +15,7 @@ disagrees with the parameters (``status: INFLIGHT``, ``pop from an empty deque``
 """
 
 import weakref
-from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Dict, List, Tuple
 
 from torch.nn import Module
 from torch.utils.hooks import RemovableHandle
@@ -24,21 +24,11 @@ from deepspeed.utils import z3_leaf_module
 from deepspeed.utils.logging import logger
 
 from deepspeed_zero3.runtime.zero.hooks import HookRouter, ModuleHooks, handle_is_live
+from deepspeed_zero3.runtime.zero.registry_lookup import REGISTRY_ATTR, find_registry  # noqa: F401 (importers' name)
 from deepspeed_zero3.runtime.zero.settings import PrefetchSettings
 
 if TYPE_CHECKING:
     from deepspeed_zero3.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
-
-REGISTRY_ATTR = "_zero3_registry"
-
-
-def find_registry(module: Module) -> Optional["ParamStateRegistry"]:
-    """The registry managing ``module`` or any module inside it, if there is one."""
-    for candidate in module.modules():
-        registry = candidate.__dict__.get(REGISTRY_ATTR)
-        if registry is not None and registry.alive:
-            return registry
-    return None
 
 
 class ParamStateRegistry:

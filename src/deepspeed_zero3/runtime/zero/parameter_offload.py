@@ -17,8 +17,7 @@ What differs from upstream's module:
 """
 
 from deepspeed_zero3.runtime.zero.upstream_names import *  # noqa: F401,F403  [Note: upstream's module names]
-from deepspeed_zero3.runtime.zero.upstream_names import (_apply_forward_and_backward_to_tensors_only,  # noqa: F401
-                                                         _init_external_params, _inject_parameters)
+from deepspeed_zero3.runtime.zero.upstream_names import _init_external_params  # noqa: F401
 
 import functools
 import inspect
@@ -41,6 +40,43 @@ from deepspeed_zero3.runtime.zero.param_registry import ParamStateRegistry, find
 from deepspeed_zero3.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
 from deepspeed_zero3.runtime.zero.settings import PrefetchSettings, reject_boolean_numels
 from deepspeed_zero3.runtime.zero.zenflow_params import ZenFlowParamLayout, check_zenflow_params
+
+
+def _apply_forward_and_backward_to_tensors_only(module, forward_function, backward_function, outputs):
+    """Call ``forward_function`` on each tensor of ``outputs`` (tuples searched recursively) and register
+    ``backward_function`` as the gradient hook of those that require grad; ``outputs`` is returned as is.
+
+    Upstream's output helper, for callers of its name: our own output wrapping is ``HookRouter`` in ``hooks.py``.
+    Like upstream's, it looks into plain tuples only and at exact ``torch.Tensor`` objects.
+    """
+    if type(outputs) is tuple:
+        return tuple(
+            _apply_forward_and_backward_to_tensors_only(module, forward_function, backward_function, item)
+            for item in outputs)
+    if type(outputs) is torch.Tensor:
+        forward_function(outputs)
+        if outputs.requires_grad:
+            outputs.register_hook(backward_function)
+    return outputs
+
+
+def _inject_parameters(module, cls):
+    """Give every module under ``module`` a ``_parameters`` container of class ``cls``, keeping the old one as
+    ``_original_parameters`` (upstream's name).
+
+    For ``ZeROOrderedDict`` this is ``inject_zero_ordered_dicts``: idempotent, and the container kept is the
+    one from before the first wrap, so un-injection restores the module's own. Any other class is built with
+    no arguments and filled in order, as upstream does.
+    """
+    if cls is ZeROOrderedDict:
+        inject_zero_ordered_dicts(module)
+        return
+    for submodule in module.modules():
+        container = cls()
+        for key, param in submodule._parameters.items():
+            container[key] = param
+        submodule._original_parameters = submodule._parameters
+        submodule._parameters = container
 
 
 def without_argument(function, name):

@@ -49,8 +49,7 @@ except ImportError:
     pass
 
 from deepspeed_zero3.runtime.zero.module_params import named_fetch_params
-from deepspeed_zero3.runtime.zero.ordered_dict import ZeROOrderedDict, inject_zero_ordered_dicts
-from deepspeed_zero3.runtime.zero.param_registry import find_registry
+from deepspeed_zero3.runtime.zero.registry_lookup import module_coordinator
 
 # ---------------------------------------------------------------- partitioned_param_coordinator's own
 
@@ -84,50 +83,10 @@ def update_recompute_parameters(sub_module: Module, param: Parameter) -> None:
     running: ``param`` is released with ``sub_module``'s post-backward (or with the pass, if that never comes).
     Our runtime does not need it ([Note: release at last use in a recompute]) but honours it for callers."""
     sub_module.__dict__.setdefault("ds_recompute_parameters", set()).add(param)
-    registry = find_registry(sub_module)
-    running = registry.coordinator.running if registry is not None else None
+    coordinator = module_coordinator(sub_module)
+    running = coordinator.running if coordinator is not None else None
     if running is not None:
         running.recompute_owners[id(sub_module)] = sub_module
     served = sys.modules.get("deepspeed_zero3.runtime.zero.partitioned_param_coordinator")
     announce = getattr(served, "print_rank_0", print_rank_0)  # noqa: F405 (partition_parameters' own)
     announce(f"update_recompute_parameters  {sub_module.ds_id=} to {param.ds_id=}", force=False)
-
-
-# ---------------------------------------------------------------- parameter_offload's own
-
-
-def _apply_forward_and_backward_to_tensors_only(module, forward_function, backward_function, outputs):
-    """Call ``forward_function`` on each tensor of ``outputs`` (tuples searched recursively) and register
-    ``backward_function`` as the gradient hook of those that require grad; ``outputs`` is returned as is.
-
-    Upstream's output helper, for callers of its name: our own output wrapping is ``HookRouter`` in ``hooks.py``.
-    Like upstream's, it looks into plain tuples only and at exact ``torch.Tensor`` objects.
-    """
-    if type(outputs) is tuple:
-        return tuple(
-            _apply_forward_and_backward_to_tensors_only(module, forward_function, backward_function, item)
-            for item in outputs)
-    if type(outputs) is torch.Tensor:
-        forward_function(outputs)
-        if outputs.requires_grad:
-            outputs.register_hook(backward_function)
-    return outputs
-
-
-def _inject_parameters(module, cls):
-    """Give every module under ``module`` a ``_parameters`` container of class ``cls``, keeping the old one as
-    ``_original_parameters`` (upstream's name).
-
-    For ``ZeROOrderedDict`` this is ``inject_zero_ordered_dicts``: idempotent, and the container kept is the
-    one from before the first wrap, so un-injection restores the module's own. Any other class is built with
-    no arguments and filled in order, as upstream does.
-    """
-    if cls is ZeROOrderedDict:
-        inject_zero_ordered_dicts(module)
-        return
-    for submodule in module.modules():
-        container = cls()
-        for key, param in submodule._parameters.items():
-            container[key] = param
-        submodule._original_parameters = submodule._parameters
-        submodule._parameters = container
