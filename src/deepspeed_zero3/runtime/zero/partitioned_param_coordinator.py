@@ -27,7 +27,7 @@ from deepspeed_zero3.runtime.zero.upstream_names import coordinator_debug_rank0 
 import contextlib
 import os
 import threading
-from typing import Dict, Iterable, Optional, Sequence
+from typing import Iterable, Optional, Sequence
 
 import torch
 from torch.nn import Module, Parameter
@@ -52,6 +52,7 @@ from deepspeed_zero3.runtime.zero.profiling import EventTimings, module_range, p
 from deepspeed_zero3.runtime.zero.recompute import ExternalReads, in_autograd_engine, is_external_of
 from deepspeed_zero3.runtime.zero.rank_agreement import PassOrderCheck, check_ranks_from_env, check_same_module_on_all_ranks
 from deepspeed_zero3.runtime.zero.release import release as release_gathered
+from deepspeed_zero3.runtime.zero.residency import Residency
 from deepspeed_zero3.runtime.zero.running_pass import RunningPass
 from deepspeed_zero3.runtime.zero.settings import PrefetchSettings
 from deepspeed_zero3.runtime.zero.stats import ZeroStats, format_line, stats_every_from_env
@@ -121,12 +122,8 @@ class PartitionedParameterCoordinator:
         self.stats = ZeroStats()
         # The pass running now, None between passes ([Note: the running pass]).
         self.running: Optional[RunningPass] = None
-        # Gathered non-persistent parameters this coordinator is responsible for (an ordered set).
-        self.live: Dict[Parameter, None] = {}
-        # Of those, the ones no module uses now that stay gathered on purpose: for a later use in the running
-        # pass (the reuse distance), or past its end for the next pass (the backward's first parameters,
-        # [Note: budgeted keeping]; the next eval forward's, [Note: keeping across no-grad passes]).
-        self.kept: Dict[Parameter, None] = {}
+        # What is gathered, and what of it stays gathered on purpose ([Note: residency]).
+        self.residency = Residency(self.stats)
         self.root_depth = 0
         check_kill_switch(os.environ)
         self.stats_every = stats_every_from_env(os.environ)
@@ -144,7 +141,7 @@ class PartitionedParameterCoordinator:
 
     @property
     def live_numel(self) -> int:
-        return self.stats.live_numel
+        return self.residency.numel
 
     def is_complete_trace(self) -> bool:
         """Whether the running pass replays a recorded trace (upstream's name)."""
@@ -216,11 +213,11 @@ class PartitionedParameterCoordinator:
             if running.kind is PassKind.FORWARD:
                 backward = (self.keeping.backward_for(trace, self.prediction.expected_backward)
                             if trace is not None else None)
-                keep = self.keeping.carried(self.kept, backward)
+                keep = self.keeping.carried(self.residency.parked(), backward)
                 self.keeping.forward_ended(trace)
                 self.nograd_keeping.drop()
             elif trace is not None:
-                keep = self.nograd_keeping.pass_ended(self.kept, trace, self.settings)
+                keep = self.nograd_keeping.pass_ended(self.residency.parked(), trace, self.settings)
             else:
                 self.nograd_keeping.drop()
             self._end_pass(aborted)
@@ -470,7 +467,7 @@ class PartitionedParameterCoordinator:
     def _release_gathered_for_swap_room(self, count: int) -> None:
         """Free ``count`` swap buffers by releasing gathered parameters not in use (kept, then prefetched)."""
         prefetcher = self.running.prefetcher if self.running is not None else None
-        candidates = list(self.kept) + (list(prefetcher.outstanding) if prefetcher is not None else [])
+        candidates = list(self.residency.parked()) + (list(prefetcher.outstanding) if prefetcher is not None else [])
         for param in candidates:
             if count <= 0:
                 return
@@ -503,10 +500,7 @@ class PartitionedParameterCoordinator:
             self.stats.on_allgather(sum(p.ds_numel for p in group), prefetch=prefetch)
             if self.running is not None:
                 self.running.gathered += 1
-            for param in group:
-                if not param.ds_persist and param not in self.live:
-                    self.live[param] = None
-                    self.stats.on_live_change(param.ds_numel)
+            self.residency.add(group)
 
     @eager_only  # [Note: what Dynamo may trace]
     @torch.no_grad()
@@ -543,7 +537,7 @@ class PartitionedParameterCoordinator:
                     prefetcher.adopt(param)
                     continue
                 if self._stays_gathered(running, param, step):
-                    self.kept[param] = None
+                    self.residency.park(param)
                     continue
                 self._release(param, partition)
             if self.param_layout is not None:
@@ -587,12 +581,9 @@ class PartitionedParameterCoordinator:
         self._forget(param)
 
     def _forget(self, param: Parameter) -> None:
-        self.kept.pop(param, None)
         if self.running is not None and self.running.prefetcher is not None:
             self.running.prefetcher.forget(param)
-        if param in self.live:
-            del self.live[param]
-            self.stats.on_live_change(-param.ds_numel)
+        self.residency.forget(param)
 
     def release_all_ours(self, keep: Iterable[Parameter]) -> None:
         """Complete every gather in flight and release every gathered parameter of ours not in ``keep``."""
@@ -601,7 +592,7 @@ class PartitionedParameterCoordinator:
             if self.param_layout is not None:
                 self.param_layout.restore_all()
             keep = set(keep)
-            for param in list(self.live):
+            for param in self.residency.gathered():
                 if param in keep and param.ds_status == ZeroParamStatus.AVAILABLE:
                     continue
                 param.ds_active_sub_modules.clear()
@@ -616,7 +607,7 @@ class PartitionedParameterCoordinator:
         with self.lock:
             if self.running is not None:
                 return  # a load inside a forward is the forward's business
-            for param in list(self.kept):
+            for param in self.residency.parked():
                 if (param.ds_status == ZeroParamStatus.AVAILABLE and not param.ds_active_sub_modules
                         and not held_by_gathered_parameters(param)):
                     param.partition(has_been_updated=True)

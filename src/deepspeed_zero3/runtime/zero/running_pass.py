@@ -10,8 +10,8 @@ each module's fetch took, the modules whose backward has begun and not ended,
 and its counters. The coordinator creates it in ``_begin_pass`` and drops it in
 ``_end_pass``, nowhere else, so a pass's state cannot leak into the next one and
 no field needs clearing by hand. ``running is None`` is the idle state.
-State that outlives a pass is the coordinator's: what is gathered (``live``,
-``kept``), the traces, the link from a forward to its backward
+State that outlives a pass is the coordinator's: what is gathered (its
+``Residency``), the traces, the link from a forward to its backward
 (``BackwardKeeping``) and what an eval forward carried for the next forward
 (``NoGradKeeping``).
 """

@@ -11,7 +11,7 @@ tensor, and nothing in flight while the consumer works, are what make it slow.
 * A parameter already gathered (persistent, kept, inside the caller's ``GatheredParameters``)
   is yielded as it is and never released by the stream.
 * It uses the runtime's gather path (the all-gather stream, its back-pressure), but its
-  parameters are not the coordinator's ``live`` ones: it marks them held as ``GatheredParameters``
+  parameters are not in the coordinator's residency: it marks them held as ``GatheredParameters``
   does, so no pass releases them, and it refuses to start while a pass runs. Leaving early
   completes what is in flight and releases all it gathered. Every rank must iterate alike: each
   bucket is a collective, and a rank that stops alone stops the others after that bucket
