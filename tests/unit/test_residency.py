@@ -1,7 +1,7 @@
 """``Residency`` ([Note: residency]): the gathered set in gather order, the parked set in first-park order, and
 the live numel they add up to."""
 
-from deepspeed_zero3.runtime.zero.residency import Residency
+from deepspeed_zero3.runtime.zero.residency import Reason, Residency
 from deepspeed_zero3.runtime.zero.stats import ZeroStats
 
 from zero_fakes import zparam
@@ -32,9 +32,9 @@ def test_parked_keeps_first_park_order_when_parked_again():
     residency, _ = _residency()
     a, b, c = zparam(0, 10), zparam(1, 20), zparam(2, 30)
     residency.add([a, b, c])
-    residency.park(c)
-    residency.park(a)
-    residency.park(c)  # again: keeps its place (the NVMe swap room frees in this order)
+    residency.park(c, Reason.REUSE)
+    residency.park(a, Reason.REUSE)
+    residency.park(c, Reason.FOR_BACKWARD)  # again: keeps its place (the NVMe swap room frees in this order)
     assert residency.parked() == (c, a)
     assert residency.gathered() == (a, b, c)  # parking moves nothing in gather order
 
@@ -43,7 +43,7 @@ def test_forget_removes_from_both_and_lowers_numel():
     residency, stats = _residency()
     a, b = zparam(0, 10), zparam(1, 20)
     residency.add([a, b])
-    residency.park(a)
+    residency.park(a, Reason.REUSE)
     residency.forget(a)
     assert residency.gathered() == (b, ) and residency.parked() == ()
     assert residency.numel == 20 == stats.live_numel
@@ -55,7 +55,7 @@ def test_forgetting_a_parked_parameter_not_gathered_keeps_numel():
     residency, stats = _residency()
     a, b = zparam(0, 10), zparam(1, 20)
     residency.add([b])
-    residency.park(a)  # parked without a recorded gather (a getter's gather is in no record)
+    residency.park(a, Reason.REUSE)  # parked without a recorded gather (a getter's gather is in no record)
     residency.forget(a)
     assert residency.parked() == () and residency.gathered() == (b, )
     assert residency.numel == 20 == stats.live_numel
@@ -79,3 +79,49 @@ def test_peak_is_recorded_in_the_running_pass():
     residency.add([a, b])
     residency.forget(a)
     assert running.peak_live_numel == 30 and residency.numel == 20
+
+
+def test_reparking_changes_the_reason_except_for_the_next_eval():
+    residency, _ = _residency()
+    a, b = zparam(0, 10), zparam(1, 20)
+    residency.add([a, b])
+    residency.park(a, Reason.REUSE)
+    residency.park(a, Reason.FOR_BACKWARD)
+    assert residency.reason(a) is Reason.FOR_BACKWARD
+    residency.park(b, Reason.FOR_NEXT_EVAL)
+    residency.park(b, Reason.REUSE)  # a silent pass re-parking the carry leaves it the carry
+    assert residency.reason(b) is Reason.FOR_NEXT_EVAL
+    assert residency.reason(zparam(2, 1)) is None
+
+
+def test_settle_sets_the_reason_of_parked_survivors_only():
+    residency, _ = _residency()
+    a, b, c = zparam(0, 10), zparam(1, 20), zparam(2, 30)
+    residency.add([a, b, c])
+    residency.park(a, Reason.FOR_NEXT_EVAL)
+    residency.park(b, Reason.REUSE)
+    residency.settle([a, b, c], Reason.FOR_BACKWARD)  # c is gathered, not parked: it stays unparked
+    assert [residency.reason(p) for p in (a, b, c)] == [Reason.FOR_BACKWARD, Reason.FOR_BACKWARD, None]
+    assert residency.parked() == (a, b)
+
+
+def test_forgetting_the_traces_demotes_the_carry_to_reuse():
+    residency, _ = _residency()
+    a, b = zparam(0, 10), zparam(1, 20)
+    residency.add([a, b])
+    residency.park(a, Reason.FOR_NEXT_EVAL)
+    residency.park(b, Reason.FOR_BACKWARD)
+    residency.demote_next_eval()
+    assert residency.reason(a) is Reason.REUSE and residency.reason(b) is Reason.FOR_BACKWARD
+    residency.park(a, Reason.REUSE)
+    assert residency.parked() == (a, b)
+
+
+def test_numel_by_reason_names_every_reason():
+    residency, _ = _residency()
+    a, b, c, d = zparam(0, 10), zparam(1, 20), zparam(2, 30), zparam(3, 40)
+    residency.add([a, b, c, d])
+    residency.park(a, Reason.REUSE)
+    residency.park(b, Reason.FOR_NEXT_EVAL)
+    residency.park(c, Reason.FOR_NEXT_EVAL)
+    assert residency.numel_by_reason() == {"reuse": 10, "for_backward": 0, "for_next_eval": 50}

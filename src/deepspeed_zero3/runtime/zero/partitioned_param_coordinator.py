@@ -52,7 +52,7 @@ from deepspeed_zero3.runtime.zero.profiling import EventTimings, module_range, p
 from deepspeed_zero3.runtime.zero.recompute import ExternalReads, in_autograd_engine, is_external_of
 from deepspeed_zero3.runtime.zero.rank_agreement import PassOrderCheck, check_ranks_from_env, check_same_module_on_all_ranks
 from deepspeed_zero3.runtime.zero.release import release as release_gathered
-from deepspeed_zero3.runtime.zero.residency import Residency
+from deepspeed_zero3.runtime.zero.residency import Reason, Residency
 from deepspeed_zero3.runtime.zero.running_pass import RunningPass
 from deepspeed_zero3.runtime.zero.settings import PrefetchSettings
 from deepspeed_zero3.runtime.zero.stats import ZeroStats, format_line, stats_every_from_env
@@ -160,6 +160,7 @@ class PartitionedParameterCoordinator:
             self.prediction.clear()
             self.keeping.clear()
             self.nograd_keeping.clear()
+            self.residency.demote_next_eval()
             self.external_reads.clear()
 
     _invalidate_trace = invalidate_traces
@@ -222,6 +223,8 @@ class PartitionedParameterCoordinator:
                 self.nograd_keeping.drop()
             self._end_pass(aborted)
             self.release_all_ours(keep=keep)
+            self.residency.settle(keep, Reason.FOR_BACKWARD if running.kind is PassKind.FORWARD
+                                  else Reason.FOR_NEXT_EVAL)
             if not aborted and self.order_check.due(running.kind):
                 self.order_check.check()  # [Note: diverging ranks]
 
@@ -536,8 +539,9 @@ class PartitionedParameterCoordinator:
                 if prefetcher is not None and prefetcher.holds(param, step):
                     prefetcher.adopt(param)
                     continue
-                if self._stays_gathered(running, param, step):
-                    self.residency.park(param)
+                reason = self._keep_reason(running, param, step)
+                if reason is not None:
+                    self.residency.park(param, reason)
                     continue
                 self._release(param, partition)
             if self.param_layout is not None:
@@ -545,23 +549,25 @@ class PartitionedParameterCoordinator:
             if not forward and running is not None:
                 running.active_backward.pop(submodule.ds_id, None)
 
-    def _stays_gathered(self, running: Optional[RunningPass], param: Parameter, step: int) -> bool:
-        """Whether ``param``, released after ``step``, stays gathered: kept for the backward ([Note: budgeted
-        keeping]) or the next eval forward ([Note: keeping across no-grad passes]), or its next use in this pass is
-        within the reuse distance."""
+    def _keep_reason(self, running: Optional[RunningPass], param: Parameter, step: int) -> Optional[Reason]:
+        """Why ``param``, released after ``step``, stays gathered, if it does: for the backward ([Note: budgeted
+        keeping]), for the next eval forward ([Note: keeping across no-grad passes]), or for its next use in this
+        pass within the reuse distance."""
         trace = running.replayed_trace() if running is not None else None
         if trace is None:
-            return False
+            return None
         if running.kind is PassKind.FORWARD and self.keeping.keeps(
                 param, step, trace, self.keeping.backward_for(trace, self.prediction.expected_backward), self.settings):
-            return True  # at reuse 0 too: what the backward's first window gathers again
+            return Reason.FOR_BACKWARD  # at reuse 0 too: what the backward's first window gathers again
         if running.kind is PassKind.EVAL_FORWARD and self.nograd_keeping.keeps(param, step, trace, self.settings):
-            return True
+            return Reason.FOR_NEXT_EVAL
         limit = self.settings.max_reuse_numel
         if limit == 0 or self.live_numel > self.settings.max_live_numel:
-            return False
+            return None
         next_step = trace.next_use(param, step)
-        return next_step is not None and trace.numel_between(step + 1, next_step) < limit
+        if next_step is not None and trace.numel_between(step + 1, next_step) < limit:
+            return Reason.REUSE
+        return None
 
     def _release(self, param: Parameter, partition=None) -> None:
         """``partition``: how to partition it, if not as ``param.partition()`` does (fast leaf sharding)."""

@@ -11,17 +11,35 @@ One ``Residency`` per coordinator answers "why is this parameter gathered right 
   passes]). Parking a parked parameter again keeps its place, so the NVMe swap room frees in
   the order parameters were parked, as before this object existed.
 * Persistent parameters are never recorded: they stay gathered for good and count toward no cap.
+* Each parked parameter has one ``Reason``. FOR_NEXT_EVAL is sticky: a silent pass re-parks what
+  the last eval forward carried (as REUSE where it has a later use) and must leave the carry as it
+  found it, so re-parking never changes it; only ``settle`` at a boundary (which decides afresh
+  what survives, and why) or ``demote_next_eval`` (the traces it was planned from are gone) does.
 * ``forget`` is the one way out of both, used wherever a parameter is partitioned; forgetting a
   parameter parked but not gathered is allowed and leaves the numel unchanged.
 Upstream's own records stay where they are and are asked, never copied: ``ds_status``,
 ``ds_active_sub_modules``, the in-flight registry, ``ds_persist``.
 """
 
+import enum
 from typing import Dict, Iterable, Tuple
 
 from torch.nn import Parameter
 
 from deepspeed_zero3.runtime.zero.stats import ZeroStats
+
+
+class Reason(enum.Enum):
+    """Why a parked parameter stays gathered, and what that costs in memory."""
+    # A later use in the running pass within stage3_max_reuse_distance: at most the reuse distance, while live
+    # numel is under stage3_max_live_parameters.
+    REUSE = "reuse"
+    # The expected backward's first parameters, kept past the forward's end: within the cap less one bucket
+    # ([Note: budgeted keeping]).
+    FOR_BACKWARD = "for_backward"
+    # The next eval forward's first parameters, kept past this one's end: within the cap
+    # ([Note: keeping across no-grad passes]).
+    FOR_NEXT_EVAL = "for_next_eval"
 
 
 class Residency:
@@ -30,7 +48,7 @@ class Residency:
     def __init__(self, stats: ZeroStats):
         self._stats = stats
         self._gathered: Dict[Parameter, None] = {}  # an ordered set, gather order
-        self._parked: Dict[Parameter, None] = {}  # an ordered set, first-park order
+        self._parked: Dict[Parameter, Reason] = {}  # first-park order
         self.numel = 0
 
     def add(self, params: Iterable[Parameter]) -> None:
@@ -40,9 +58,27 @@ class Residency:
                 self._gathered[param] = None
                 self._changed(param.ds_numel)
 
-    def park(self, param: Parameter) -> None:
-        """``param`` stays gathered on purpose though no module uses it now."""
-        self._parked[param] = None
+    def park(self, param: Parameter, reason: Reason) -> None:
+        """``param`` stays gathered for ``reason`` though no module uses it now (FOR_NEXT_EVAL is sticky)."""
+        if self._parked.get(param) is not Reason.FOR_NEXT_EVAL:
+            self._parked[param] = reason
+
+    def settle(self, params: Iterable[Parameter], reason: Reason) -> None:
+        """At a pass boundary: ``params`` (parked ones) stay gathered past it, now for ``reason``."""
+        for param in params:
+            if param in self._parked:
+                self._parked[param] = reason
+
+    def demote_next_eval(self) -> None:
+        """The traces a carry was planned from are forgotten: what it kept is kept for no next pass any more,
+        and the next boundary releases it."""
+        for param, reason in self._parked.items():
+            if reason is Reason.FOR_NEXT_EVAL:
+                self._parked[param] = Reason.REUSE
+
+    def reason(self, param: Parameter):
+        """Why ``param`` is parked, None if it is not."""
+        return self._parked.get(param)
 
     def forget(self, param: Parameter) -> None:
         """``param`` is partitioned (or about to be): out of both records."""
@@ -58,6 +94,13 @@ class Residency:
     def parked(self) -> Tuple[Parameter, ...]:
         """The parked parameters, in first-park order (a snapshot)."""
         return tuple(self._parked)
+
+    def numel_by_reason(self) -> Dict[str, int]:
+        """Parked numel per reason (every reason present, zero included)."""
+        numel = {reason.value: 0 for reason in Reason}
+        for param, reason in self._parked.items():
+            numel[reason.value] += param.ds_numel
+        return numel
 
     def _changed(self, delta: int) -> None:
         self.numel += delta
