@@ -52,7 +52,7 @@ from deepspeed_zero3.runtime.zero.profiling import EventTimings, module_range, p
 from deepspeed_zero3.runtime.zero.recompute import ExternalReads, in_autograd_engine, is_external_of
 from deepspeed_zero3.runtime.zero.rank_agreement import PassOrderCheck, check_ranks_from_env, check_same_module_on_all_ranks
 from deepspeed_zero3.runtime.zero.release import release as release_gathered
-from deepspeed_zero3.runtime.zero.residency import Reason, Residency
+from deepspeed_zero3.runtime.zero.residency import Boundary, Reason, Residency
 from deepspeed_zero3.runtime.zero.running_pass import RunningPass
 from deepspeed_zero3.runtime.zero.settings import PrefetchSettings
 from deepspeed_zero3.runtime.zero.stats import ZeroStats, format_line, stats_every_from_env
@@ -217,14 +217,19 @@ class PartitionedParameterCoordinator:
                 keep = self.keeping.carried(self.residency.parked(), backward)
                 self.keeping.forward_ended(trace)
                 self.nograd_keeping.drop()
+                qualifying = (lambda p: backward.next_use(p, -1) is not None) if backward is not None else None
+                boundary = Boundary.FORWARD_ENDS
             elif trace is not None:
                 keep = self.nograd_keeping.pass_ended(self.residency.parked(), trace, self.settings)
+                qualifying = self.nograd_keeping.kept(trace, self.settings).__contains__
+                boundary = Boundary.EVAL_FORWARD_ENDS
             else:
                 self.nograd_keeping.drop()
+                qualifying, boundary = None, Boundary.EVAL_FORWARD_ENDS
+            if aborted:
+                boundary = Boundary.RESET
             self._end_pass(aborted)
-            self.release_all_ours(keep=keep)
-            self.residency.settle(keep, Reason.FOR_BACKWARD if running.kind is PassKind.FORWARD
-                                  else Reason.FOR_NEXT_EVAL)
+            self.release_all_ours(keep=self._agreed_survivors(keep, boundary, qualifying))
             if not aborted and self.order_check.due(running.kind):
                 self.order_check.check()  # [Note: diverging ranks]
 
@@ -266,7 +271,7 @@ class PartitionedParameterCoordinator:
             self.nograd_keeping.drop()
             self.external_reads.backward_ended()
             self._end_pass(aborted)
-            self.release_all_ours(keep=())
+            self.release_all_ours(keep=self._agreed_survivors((), Boundary.BACKWARD_ENDS))
             if not aborted and self.order_check.due(PassKind.BACKWARD):
                 self.order_check.check()  # [Note: diverging ranks]
             self.backward_passes += 1
@@ -291,9 +296,23 @@ class PartitionedParameterCoordinator:
                                "Stage 3 still holds that backward's partial gradients: call "
                                "deepspeed_zero3.abandon_step(engine) after catching the exception to drop them.")
             self.end_backward_pass(aborted=True)
-        self.release_all_ours(keep=self.nograd_keeping.carry if keep_carry else ())
+        self.release_all_ours(keep=self._agreed_survivors(self.nograd_keeping.carry if keep_carry else (),
+                                                          Boundary.FORWARD_BEGINS if keep_carry else Boundary.RESET))
         if not keep_carry:
             self.nograd_keeping.drop()
+
+    def _agreed_survivors(self, keep: Iterable[Parameter], boundary: Boundary, qualifying=None):
+        """What survives ``boundary``, worked out the old way (``keep``) and by [Note: residency]'s table, which must
+        agree on every gathered parameter (the parked set may hold a parameter gathered outside our records,
+        which no boundary releases either way)."""
+        survivors = self.residency.cross(boundary, qualifying)
+        gathered = set(self.residency.gathered())
+        old, new = set(keep) & gathered, set(survivors) & gathered
+        if old != new:
+            raise RuntimeError(f"deepspeed-zero3: the residency table disagrees at '{boundary.value}': kept the "
+                               f"old way only {sorted(p.ds_id for p in old - new)}, by the table only "
+                               f"{sorted(p.ds_id for p in new - old)}")
+        return keep
 
     def _begin_pass(self, kind: PassKind, guess: Optional[PassTrace]) -> RunningPass:
         """[Note: the running pass]: the one place a pass's state is created."""

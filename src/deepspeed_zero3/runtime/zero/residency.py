@@ -15,6 +15,17 @@ One ``Residency`` per coordinator answers "why is this parameter gathered right 
   the last eval forward carried (as REUSE where it has a later use) and must leave the carry as it
   found it, so re-parking never changes it; only ``settle`` at a boundary (which decides afresh
   what survives, and why) or ``demote_next_eval`` (the traces it was planned from are gone) does.
+* What survives each pass boundary is one table, ``SURVIVES``, and one method, ``cross``:
+
+  | boundary                      | parked reasons that may survive | filtered by                    | survivors become |
+  |-------------------------------|---------------------------------|--------------------------------|------------------|
+  | a forward with grad ends      | all                             | used by the expected backward  | FOR_BACKWARD     |
+  | an eval forward ends          | all                             | in the next eval's keep plan   | FOR_NEXT_EVAL    |
+  | a forward begins, none open   | FOR_NEXT_EVAL                   | -                              | unchanged        |
+  | a backward ends               | none                            | -                              | -                |
+  | step, abandon_step, an aborted pass, registry close | none      | -                              | -                |
+
+  Everything else gathered is released. A silent pass ([Note: silent passes]) crosses no boundary.
 * ``forget`` is the one way out of both, used wherever a parameter is partitioned; forgetting a
   parameter parked but not gathered is allowed and leaves the numel unchanged.
 Upstream's own records stay where they are and are asked, never copied: ``ds_status``,
@@ -22,7 +33,7 @@ Upstream's own records stay where they are and are asked, never copied: ``ds_sta
 """
 
 import enum
-from typing import Dict, Iterable, Tuple
+from typing import Callable, Dict, FrozenSet, Iterable, NamedTuple, Optional, Tuple
 
 from torch.nn import Parameter
 
@@ -40,6 +51,36 @@ class Reason(enum.Enum):
     # The next eval forward's first parameters, kept past this one's end: within the cap
     # ([Note: keeping across no-grad passes]).
     FOR_NEXT_EVAL = "for_next_eval"
+
+
+class Boundary(enum.Enum):
+    """The pass boundaries at which gathered parameters are released, all but the survivors."""
+    FORWARD_ENDS = "a forward with grad ends"
+    EVAL_FORWARD_ENDS = "an eval forward ends"
+    FORWARD_BEGINS = "a forward begins, none open"
+    BACKWARD_ENDS = "a backward ends"
+    RESET = "step, abandon_step, an aborted pass, registry close"
+
+
+class Survival(NamedTuple):
+    """One row of ``SURVIVES``: which parked reasons may survive a boundary, whether a test filters them (the
+    boundary's caller passes it), and the reason survivors have past it (None: the one they had)."""
+    reasons: FrozenSet[Reason]
+    filtered: bool
+    becomes: Optional[Reason]
+
+
+_ALL = frozenset(Reason)
+_NONE: FrozenSet[Reason] = frozenset()
+
+# [Note: residency]'s table, the one place that says what survives a boundary.
+SURVIVES: Dict[Boundary, Survival] = {
+    Boundary.FORWARD_ENDS: Survival(_ALL, filtered=True, becomes=Reason.FOR_BACKWARD),
+    Boundary.EVAL_FORWARD_ENDS: Survival(_ALL, filtered=True, becomes=Reason.FOR_NEXT_EVAL),
+    Boundary.FORWARD_BEGINS: Survival(frozenset({Reason.FOR_NEXT_EVAL}), filtered=False, becomes=None),
+    Boundary.BACKWARD_ENDS: Survival(_NONE, filtered=False, becomes=None),
+    Boundary.RESET: Survival(_NONE, filtered=False, becomes=None),
+}
 
 
 class Residency:
@@ -68,6 +109,20 @@ class Residency:
         for param in params:
             if param in self._parked:
                 self._parked[param] = reason
+
+    def cross(self, boundary: Boundary,
+              qualifying: Optional[Callable[[Parameter], bool]] = None) -> Tuple[Parameter, ...]:
+        """The parked parameters that survive ``boundary`` (``SURVIVES``), in park order, settled to the reason
+        they have past it; ``qualifying``: the boundary's filter, for a row that has one (None: nothing
+        qualifies, as when a forward has no expected backward or an eval forward no trace). The caller releases
+        every other gathered parameter."""
+        row = SURVIVES[boundary]
+        survivors = tuple(param for param, reason in self._parked.items()
+                          if reason in row.reasons and (not row.filtered or (qualifying is not None
+                                                                              and qualifying(param))))
+        if row.becomes is not None:
+            self.settle(survivors, row.becomes)
+        return survivors
 
     def demote_next_eval(self) -> None:
         """The traces a carry was planned from are forgotten: what it kept is kept for no next pass any more,
