@@ -1,7 +1,7 @@
 """``Residency`` ([Note: residency]): the gathered set in gather order, the parked set in first-park order, and
 the live numel they add up to."""
 
-from deepspeed_zero3.runtime.zero.residency import Reason, Residency
+from deepspeed_zero3.runtime.zero.residency import Boundary, Reason, Residency, survives_table
 from deepspeed_zero3.runtime.zero.stats import ZeroStats
 
 from zero_fakes import zparam
@@ -117,11 +117,77 @@ def test_forgetting_the_traces_demotes_the_carry_to_reuse():
     assert residency.parked() == (a, b)
 
 
-def test_numel_by_reason_names_every_reason():
+def test_numel_by_reason_splits_the_live_numel():
+    from deepspeed_zero3.runtime.zero.capabilities import HELD_MARK_ATTR
+
     residency, _ = _residency()
-    a, b, c, d = zparam(0, 10), zparam(1, 20), zparam(2, 30), zparam(3, 40)
-    residency.add([a, b, c, d])
-    residency.park(a, Reason.REUSE)
-    residency.park(b, Reason.FOR_NEXT_EVAL)
+    reuse, carried, carried2, in_use, held, ahead = (zparam(i, 10 * (i + 1)) for i in range(6))
+    residency.add([reuse, carried, carried2, in_use, held, ahead])
+    residency.park(reuse, Reason.REUSE)
+    residency.park(carried, Reason.FOR_NEXT_EVAL)
+    residency.park(carried2, Reason.FOR_NEXT_EVAL)
+    in_use.ds_active_sub_modules.add(7)
+    setattr(held, HELD_MARK_ATTR, 1)
+    residency.park(zparam(9, 1000), Reason.REUSE)  # parked, not gathered: not live, so in no key
+    numel = residency.numel_by_reason()
+    assert numel == {"reuse": 10, "for_backward": 0, "for_next_eval": 50, "in_use": 40, "held": 50, "ahead": 60}
+    assert sum(numel.values()) == residency.numel
+
+
+def ids(params):
+    return [param.ds_id for param in params]
+
+
+def _parked_three():
+    residency, _ = _residency()
+    params = [zparam(i, 10) for i in range(4)]
+    residency.add(params)
+    a, b, c, d = params
     residency.park(c, Reason.FOR_NEXT_EVAL)
-    assert residency.numel_by_reason() == {"reuse": 10, "for_backward": 0, "for_next_eval": 50}
+    residency.park(a, Reason.REUSE)
+    residency.park(b, Reason.FOR_BACKWARD)
+    return residency, params
+
+
+def test_a_forwards_end_keeps_what_the_backward_uses_for_the_backward():
+    residency, (a, b, c, d) = _parked_three()
+    assert ids(residency.cross(Boundary.FORWARD_ENDS, {a, c}.__contains__)) == [2, 0]  # park order
+    assert [residency.reason(p) for p in (a, b, c)] == [Reason.FOR_BACKWARD, Reason.FOR_BACKWARD,
+                                                        Reason.FOR_BACKWARD]
+    # b did not qualify: the caller releases it (and d, gathered but never parked)
+    residency, (a, b, c, d) = _parked_three()
+    assert residency.cross(Boundary.FORWARD_ENDS, None) == ()  # no expected backward: nothing qualifies
+
+
+def test_an_eval_forwards_end_keeps_the_plan_for_the_next_eval():
+    residency, (a, b, c, d) = _parked_three()
+    assert ids(residency.cross(Boundary.EVAL_FORWARD_ENDS, {a, b}.__contains__)) == [0, 1]
+    assert residency.reason(a) is Reason.FOR_NEXT_EVAL and residency.reason(b) is Reason.FOR_NEXT_EVAL
+
+
+def test_a_forward_begins_keeping_the_carry_only():
+    residency, (a, b, c, d) = _parked_three()
+    assert ids(residency.cross(Boundary.FORWARD_BEGINS)) == [2]
+    assert residency.reason(c) is Reason.FOR_NEXT_EVAL and residency.reason(a) is Reason.REUSE
+
+
+def test_nothing_survives_a_backwards_end_or_a_reset():
+    for boundary in (Boundary.BACKWARD_ENDS, Boundary.RESET):
+        residency, _ = _parked_three()
+        assert residency.cross(boundary, lambda p: True) == ()
+
+
+def test_the_table_is_quoted_verbatim_in_the_note_and_in_design_md():
+    import pathlib
+
+    from deepspeed_zero3.runtime.zero import residency as module
+
+    lines = survives_table()
+    assert len(lines) == 2 + len(Boundary)
+    note = [line.strip() for line in module.__doc__.splitlines()]
+    start = note.index(lines[0])
+    assert note[start:start + len(lines)] == lines
+    design = pathlib.Path(__file__).resolve().parents[2] / "docs" / "design.md"
+    text = design.read_text().splitlines()
+    start = text.index(lines[0])
+    assert text[start:start + len(lines)] == lines

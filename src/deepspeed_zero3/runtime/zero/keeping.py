@@ -15,9 +15,11 @@ backward runs roughly the forward in reverse, so the forward's tail is needed fi
 * Only the forward a backward follows keeps: the n-th forward with grad since the last
   backward keeps if the last backward after this trace came after n forwards (1 until
   one has). Silent forwards ([Note: silent passes]) are not counted.
+* What it kept survives the forward's end if the expected backward uses it, and no boundary after
+  that backward's end ([Note: residency]'s table).
 """
 
-from typing import FrozenSet, Iterable, Optional, Tuple
+from typing import FrozenSet, Optional
 
 from torch.nn import Parameter
 
@@ -56,8 +58,8 @@ class KeepPlan:
         self._kept: FrozenSet[Parameter] = frozenset()
         self._traces = None
 
-    def kept(self, ending: PassTrace, following: Optional[PassTrace], reuse_limit: int,
-             room: int) -> FrozenSet[Parameter]:
+    def planned(self, ending: PassTrace, following: Optional[PassTrace], reuse_limit: int,
+                room: int) -> FrozenSet[Parameter]:
         key = (id(ending), id(following), reuse_limit, room)
         if key != self._key:
             self._kept = plan_kept(ending, following, reuse_limit, room)
@@ -70,7 +72,7 @@ class KeepPlan:
         """Whether ``param``, released after ``step`` of ``ending``, stays gathered for ``following``."""
         if ending.next_use(param, step) is not None:
             return False  # not its last use in this pass
-        return param in self.kept(ending, following, reuse_limit, room)
+        return param in self.planned(ending, following, reuse_limit, room)
 
     def clear(self) -> None:
         self._key = None
@@ -99,13 +101,6 @@ class BackwardKeeping:
               settings: PrefetchSettings) -> bool:
         return self.plan.keeps(param, step, forward, backward, max(settings.max_reuse_numel, settings.bucket_numel),
                                settings.max_live_numel - settings.bucket_numel)
-
-    @staticmethod
-    def carried(gathered: Iterable[Parameter], backward: Optional[PassTrace]) -> Tuple[Parameter, ...]:
-        """Of the parameters still gathered at the forward's end, those the backward uses."""
-        if backward is None:
-            return ()
-        return tuple(p for p in gathered if backward.next_use(p, -1) is not None)
 
     def forward_ended(self, trace: Optional[PassTrace]) -> None:
         """A forward with grad ended (not silent; aborted ones too, with no trace)."""

@@ -12,14 +12,15 @@ its end, every parameter is gathered again for the next token.
   numel held back for a window would be gathered again every token.
 * So at the defaults a generate() call gathers the model once; under a cap C the peak stays
   under C + the module in use; at reuse 0 nothing is kept.
-* The carry survives the start of the next forward, eval or training (which uses it); the end of
-  any other non-silent pass and ``reset_step`` (optimizer step, checkpoint load, ``offload_states``)
-  release it. ``GatheredParameters`` partitions every parameter of its list at its exit, and a
-  ``load_state_dict`` post-hook makes what a loader wrote into a kept parameter its partition
+* What an eval forward keeps past its end survives the start of the next forward, eval or
+  training (which uses it), and nothing else: the rows of [Note: residency]'s table (residency.py)
+  for an eval forward's end and a forward's beginning. A silent pass crosses no boundary and leaves
+  it as it found it. ``GatheredParameters`` partitions every parameter of its list at its exit,
+  and a ``load_state_dict`` post-hook makes what a loader wrote into a kept parameter its partition
   (upstream's loaders gather only partitioned ones): no stale copy survives either.
 """
 
-from typing import FrozenSet, Iterable, Tuple
+from typing import FrozenSet
 
 from torch.nn import Parameter
 
@@ -29,31 +30,18 @@ from deepspeed_zero3.runtime.zero.trace import PassTrace
 
 
 class NoGradKeeping:
-    """[Note: keeping across no-grad passes]: the plan of the running eval forward, and what the last one carried."""
+    """[Note: keeping across no-grad passes]: the keep plan of the running eval forward."""
 
     def __init__(self):
         self.plan = KeepPlan()
-        # Gathered parameters the last eval forward left for the next forward; empty once another pass ended.
-        self.carry: FrozenSet[Parameter] = frozenset()
 
-    def kept(self, trace: PassTrace, settings: PrefetchSettings) -> FrozenSet[Parameter]:
-        return self.plan.kept(trace, trace, settings.max_reuse_numel, settings.max_live_numel)
+    def planned(self, trace: PassTrace, settings: PrefetchSettings) -> FrozenSet[Parameter]:
+        """What an eval forward replaying ``trace`` keeps gathered for the next one."""
+        return self.plan.planned(trace, trace, settings.max_reuse_numel, settings.max_live_numel)
 
     def keeps(self, param: Parameter, step: int, trace: PassTrace, settings: PrefetchSettings) -> bool:
         """Whether ``param``, released after ``step`` of ``trace``, stays gathered for the next eval forward."""
         return self.plan.keeps(param, step, trace, trace, settings.max_reuse_numel, settings.max_live_numel)
 
-    def pass_ended(self, gathered: Iterable[Parameter], trace: PassTrace, settings: PrefetchSettings) -> Tuple[Parameter, ...]:
-        """An eval forward ended having run ``trace``: of ``gathered``, what it carries to the next forward."""
-        plan = self.kept(trace, settings)
-        carried = tuple(p for p in gathered if p in plan)
-        self.carry = frozenset(carried)
-        return carried
-
-    def drop(self) -> None:
-        """Another pass ended, or everything is being released: nothing is carried any more."""
-        self.carry = frozenset()
-
     def clear(self) -> None:
         self.plan.clear()
-        self.carry = frozenset()

@@ -186,7 +186,7 @@ class PartitionedParameterCoordinator:
 
     def begin_forward_pass(self) -> None:
         with self.lock:
-            self._end_open_pass(keep_carry=True)  # [Note: keeping across no-grad passes]
+            self._end_open_pass(Boundary.FORWARD_BEGINS)  # [Note: keeping across no-grad passes]
             kind = PassKind.FORWARD if torch.is_grad_enabled() else PassKind.EVAL_FORWARD
             if kind is PassKind.FORWARD:
                 self.external_reads.forward_began()
@@ -209,27 +209,18 @@ class PartitionedParameterCoordinator:
                 # differ from the other ranks'.
                 self._end_pass(aborted=False, compare=False)
                 return
-            trace = self._finish_trace(running, aborted)
-            keep = ()
+            trace = self._finish_trace(running, aborted)  # None if aborted: nothing then qualifies to survive
             if running.kind is PassKind.FORWARD:
                 backward = (self.keeping.backward_for(trace, self.prediction.expected_backward)
                             if trace is not None else None)
-                keep = self.keeping.carried(self.residency.parked(), backward)
-                self.keeping.forward_ended(trace)
-                self.nograd_keeping.drop()
-                qualifying = (lambda p: backward.next_use(p, -1) is not None) if backward is not None else None
                 boundary = Boundary.FORWARD_ENDS
-            elif trace is not None:
-                keep = self.nograd_keeping.pass_ended(self.residency.parked(), trace, self.settings)
-                qualifying = self.nograd_keeping.kept(trace, self.settings).__contains__
-                boundary = Boundary.EVAL_FORWARD_ENDS
+                qualifying = (lambda p: backward.next_use(p, -1) is not None) if backward is not None else None
+                self.keeping.forward_ended(trace)
             else:
-                self.nograd_keeping.drop()
-                qualifying, boundary = None, Boundary.EVAL_FORWARD_ENDS
-            if aborted:
-                boundary = Boundary.RESET
+                boundary = Boundary.EVAL_FORWARD_ENDS
+                qualifying = self.nograd_keeping.planned(trace, self.settings).__contains__ if trace is not None else None
             self._end_pass(aborted)
-            self.release_all_ours(keep=self._agreed_survivors(keep, boundary, qualifying))
+            self._release_all(Boundary.RESET if aborted else boundary, qualifying)
             if not aborted and self.order_check.due(running.kind):
                 self.order_check.check()  # [Note: diverging ranks]
 
@@ -268,10 +259,9 @@ class PartitionedParameterCoordinator:
             if running is None or not running.is_backward:
                 return
             self.keeping.backward_ended(self._finish_trace(running, aborted))
-            self.nograd_keeping.drop()
             self.external_reads.backward_ended()
             self._end_pass(aborted)
-            self.release_all_ours(keep=self._agreed_survivors((), Boundary.BACKWARD_ENDS))
+            self._release_all(Boundary.BACKWARD_ENDS)
             if not aborted and self.order_check.due(PassKind.BACKWARD):
                 self.order_check.check()  # [Note: diverging ranks]
             self.backward_passes += 1
@@ -280,9 +270,9 @@ class PartitionedParameterCoordinator:
                 # Asked for by name, so printed: deepspeed's logger shows only warnings by default.
                 print(format_line(self.stats, self.backward_passes), flush=True)
 
-    def _end_open_pass(self, abandoning: bool = False, keep_carry: bool = False) -> None:
-        """Close a pass whose closing hook never came, and release everything gathered (``keep_carry``: except
-        what the last eval forward carried for the forward now beginning)."""
+    def _end_open_pass(self, boundary: Boundary, abandoning: bool = False) -> None:
+        """Close a pass whose closing hook never came (as aborted), then release what does not survive
+        ``boundary`` ([Note: residency])."""
         running = self.running
         if running is not None and not running.is_backward:
             self.end_forward_pass(aborted=True)
@@ -296,23 +286,7 @@ class PartitionedParameterCoordinator:
                                "Stage 3 still holds that backward's partial gradients: call "
                                "deepspeed_zero3.abandon_step(engine) after catching the exception to drop them.")
             self.end_backward_pass(aborted=True)
-        self.release_all_ours(keep=self._agreed_survivors(self.nograd_keeping.carry if keep_carry else (),
-                                                          Boundary.FORWARD_BEGINS if keep_carry else Boundary.RESET))
-        if not keep_carry:
-            self.nograd_keeping.drop()
-
-    def _agreed_survivors(self, keep: Iterable[Parameter], boundary: Boundary, qualifying=None):
-        """What survives ``boundary``, worked out the old way (``keep``) and by [Note: residency]'s table, which must
-        agree on every gathered parameter (the parked set may hold a parameter gathered outside our records,
-        which no boundary releases either way)."""
-        survivors = self.residency.cross(boundary, qualifying)
-        gathered = set(self.residency.gathered())
-        old, new = set(keep) & gathered, set(survivors) & gathered
-        if old != new:
-            raise RuntimeError(f"deepspeed-zero3: the residency table disagrees at '{boundary.value}': kept the "
-                               f"old way only {sorted(p.ds_id for p in old - new)}, by the table only "
-                               f"{sorted(p.ds_id for p in new - old)}")
-        return keep
+        self._release_all(boundary)
 
     def _begin_pass(self, kind: PassKind, guess: Optional[PassTrace]) -> RunningPass:
         """[Note: the running pass]: the one place a pass's state is created."""
@@ -610,15 +584,16 @@ class PartitionedParameterCoordinator:
             self.running.prefetcher.forget(param)
         self.residency.forget(param)
 
-    def release_all_ours(self, keep: Iterable[Parameter]) -> None:
-        """Complete every gather in flight and release every gathered parameter of ours not in ``keep``."""
+    def _release_all(self, boundary: Boundary, qualifying=None) -> None:
+        """Complete every gather in flight and release every gathered parameter of ours but the survivors of
+        ``boundary`` (``qualifying``: its filter, [Note: residency])."""
         with self.lock:
             self.gatherer.wait_all()
             if self.param_layout is not None:
                 self.param_layout.restore_all()
-            keep = set(keep)
+            survivors = set(self.residency.cross(boundary, qualifying))
             for param in self.residency.gathered():
-                if param in keep and param.ds_status == ZeroParamStatus.AVAILABLE:
+                if param in survivors and param.ds_status == ZeroParamStatus.AVAILABLE:
                     continue
                 param.ds_active_sub_modules.clear()
                 self._release(param)
@@ -637,7 +612,6 @@ class PartitionedParameterCoordinator:
                         and not held_by_gathered_parameters(param)):
                     param.partition(has_been_updated=True)
                 self._forget(param)
-            self.nograd_keeping.drop()
 
     # ------------------------------------------------------------------ upstream entry points
 
@@ -645,7 +619,7 @@ class PartitionedParameterCoordinator:
     def reset_step(self, abandoning: bool = False) -> None:
         """End whatever pass is running and release everything gathered (upstream's end-of-step call)."""
         with self.lock:
-            self._end_open_pass(abandoning)
+            self._end_open_pass(Boundary.RESET, abandoning)
             self.root_depth = 0
             if abandoning:
                 self.keeping.abandon()

@@ -15,17 +15,23 @@ One ``Residency`` per coordinator answers "why is this parameter gathered right 
   the last eval forward carried (as REUSE where it has a later use) and must leave the carry as it
   found it, so re-parking never changes it; only ``settle`` at a boundary (which decides afresh
   what survives, and why) or ``demote_next_eval`` (the traces it was planned from are gone) does.
-* What survives each pass boundary is one table, ``SURVIVES``, and one method, ``cross``:
+* What survives each pass boundary is one table, ``SURVIVES``, crossed by one method, ``cross``
+  (``survives_table()`` renders it; docs/design.md quotes it and a unit test keeps both equal):
 
-  | boundary                      | parked reasons that may survive | filtered by                    | survivors become |
-  |-------------------------------|---------------------------------|--------------------------------|------------------|
-  | a forward with grad ends      | all                             | used by the expected backward  | FOR_BACKWARD     |
-  | an eval forward ends          | all                             | in the next eval's keep plan   | FOR_NEXT_EVAL    |
-  | a forward begins, none open   | FOR_NEXT_EVAL                   | -                              | unchanged        |
-  | a backward ends               | none                            | -                              | -                |
-  | step, abandon_step, an aborted pass, registry close | none      | -                              | -                |
+  | boundary | parked reasons that may survive | filtered by | survivors become |
+  |---|---|---|---|
+  | a forward with grad ends | all | used by the expected backward | FOR_BACKWARD |
+  | an eval forward ends | all | in the next eval's keep plan | FOR_NEXT_EVAL |
+  | a forward begins, none open | FOR_NEXT_EVAL | - | unchanged |
+  | a backward ends | none | - | - |
+  | step, abandon_step, an aborted pass, registry close | none | - | - |
 
-  Everything else gathered is released. A silent pass ([Note: silent passes]) crosses no boundary.
+  Every other gathered parameter is released. A pass that ends aborted crosses the last row. A
+  silent pass ([Note: silent passes]) crosses none.
+* ``numel_by_reason()`` splits the live numel by why each parameter is gathered: the parked
+  reasons, then, read from upstream's records at that moment, ``in_use`` (a module's fetch holds
+  it), ``held`` (a ``GatheredParameters`` holds it) and ``ahead`` (gathered for a later module of
+  the running pass). Its values add up to ``numel``; it is ``get_zero3_stats``' ``live_by_reason``.
 * ``forget`` is the one way out of both, used wherever a parameter is partitioned; forgetting a
   parameter parked but not gathered is allowed and leaves the numel unchanged.
 Upstream's own records stay where they are and are asked, never copied: ``ds_status``,
@@ -33,10 +39,11 @@ Upstream's own records stay where they are and are asked, never copied: ``ds_sta
 """
 
 import enum
-from typing import Callable, Dict, FrozenSet, Iterable, NamedTuple, Optional, Tuple
+from typing import Callable, Dict, FrozenSet, Iterable, List, NamedTuple, Optional, Tuple
 
 from torch.nn import Parameter
 
+from deepspeed_zero3.runtime.zero.gather import held_by_gathered_parameters
 from deepspeed_zero3.runtime.zero.stats import ZeroStats
 
 
@@ -63,10 +70,11 @@ class Boundary(enum.Enum):
 
 
 class Survival(NamedTuple):
-    """One row of ``SURVIVES``: which parked reasons may survive a boundary, whether a test filters them (the
-    boundary's caller passes it), and the reason survivors have past it (None: the one they had)."""
+    """One row of ``SURVIVES``: which parked reasons may survive a boundary, the test that filters them (None:
+    none; the boundary's caller passes it to ``cross``), and the reason survivors have past it (None: the one
+    they had)."""
     reasons: FrozenSet[Reason]
-    filtered: bool
+    filtered_by: Optional[str]
     becomes: Optional[Reason]
 
 
@@ -75,12 +83,28 @@ _NONE: FrozenSet[Reason] = frozenset()
 
 # [Note: residency]'s table, the one place that says what survives a boundary.
 SURVIVES: Dict[Boundary, Survival] = {
-    Boundary.FORWARD_ENDS: Survival(_ALL, filtered=True, becomes=Reason.FOR_BACKWARD),
-    Boundary.EVAL_FORWARD_ENDS: Survival(_ALL, filtered=True, becomes=Reason.FOR_NEXT_EVAL),
-    Boundary.FORWARD_BEGINS: Survival(frozenset({Reason.FOR_NEXT_EVAL}), filtered=False, becomes=None),
-    Boundary.BACKWARD_ENDS: Survival(_NONE, filtered=False, becomes=None),
-    Boundary.RESET: Survival(_NONE, filtered=False, becomes=None),
+    Boundary.FORWARD_ENDS: Survival(_ALL, "used by the expected backward", becomes=Reason.FOR_BACKWARD),
+    Boundary.EVAL_FORWARD_ENDS: Survival(_ALL, "in the next eval's keep plan", becomes=Reason.FOR_NEXT_EVAL),
+    Boundary.FORWARD_BEGINS: Survival(frozenset({Reason.FOR_NEXT_EVAL}), None, becomes=None),
+    Boundary.BACKWARD_ENDS: Survival(_NONE, None, becomes=None),
+    Boundary.RESET: Survival(_NONE, None, becomes=None),
 }
+
+# Derived at read time, after the parked reasons, in numel_by_reason's keys.
+DERIVED = ("in_use", "held", "ahead")
+
+
+def survives_table() -> List[str]:
+    """``SURVIVES`` as the lines of a markdown table."""
+    lines = ["| boundary | parked reasons that may survive | filtered by | survivors become |", "|---|---|---|---|"]
+    for boundary, row in SURVIVES.items():
+        if row.reasons == _ALL:
+            reasons = "all"
+        else:
+            reasons = ", ".join(reason.name for reason in Reason if reason in row.reasons) or "none"
+        becomes = row.becomes.name if row.becomes is not None else ("unchanged" if row.reasons else "-")
+        lines.append(f"| {boundary.value} | {reasons} | {row.filtered_by or '-'} | {becomes} |")
+    return lines
 
 
 class Residency:
@@ -118,8 +142,8 @@ class Residency:
         every other gathered parameter."""
         row = SURVIVES[boundary]
         survivors = tuple(param for param, reason in self._parked.items()
-                          if reason in row.reasons and (not row.filtered or (qualifying is not None
-                                                                              and qualifying(param))))
+                          if reason in row.reasons and (row.filtered_by is None or (qualifying is not None
+                                                                                     and qualifying(param))))
         if row.becomes is not None:
             self.settle(survivors, row.becomes)
         return survivors
@@ -151,10 +175,18 @@ class Residency:
         return tuple(self._parked)
 
     def numel_by_reason(self) -> Dict[str, int]:
-        """Parked numel per reason (every reason present, zero included)."""
-        numel = {reason.value: 0 for reason in Reason}
-        for param, reason in self._parked.items():
-            numel[reason.value] += param.ds_numel
+        """The live numel by why it is gathered ([Note: residency]); every key present, zero included."""
+        numel = dict.fromkeys([reason.value for reason in Reason] + list(DERIVED), 0)
+        for param in self._gathered:
+            if param.ds_active_sub_modules:
+                why = "in_use"
+            elif param in self._parked:
+                why = self._parked[param].value
+            elif held_by_gathered_parameters(param):
+                why = "held"
+            else:
+                why = "ahead"
+            numel[why] += param.ds_numel
         return numel
 
     def _changed(self, delta: int) -> None:

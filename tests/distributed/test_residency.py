@@ -1,0 +1,54 @@
+"""``get_zero3_stats(engine)["live_by_reason"]`` ([Note: residency]): the live numel split by why each parameter
+is gathered, pinned where something stays gathered between passes, two ranks.
+
+Model A (6,312,196 parameters, bucket 100,000) capped at half: a forward keeps for its backward the tail that
+fits in cap - bucket, head + 5 blocks + the next down = 2,891,268 (test_keeping.py). Model B (199,876
+parameters, bucket 20,000) capped at half: an eval forward keeps for the next the prefix that fits in the cap,
+inp + 2 blocks + the third up = 83,904 (test_nograd_keeping.py).
+"""
+
+import torch
+
+import deepspeed_zero3
+from deepspeed_zero3.testing.engines import batch, mse_loss, training_engine, zero3_config
+from deepspeed_zero3.testing.models import model_a, model_b
+
+DEFAULT = 1_000_000_000
+NOTHING = {"reuse": 0, "for_backward": 0, "for_next_eval": 0, "in_use": 0, "held": 0, "ahead": 0}
+
+
+def live(engine):
+    stats = deepspeed_zero3.get_zero3_stats(engine)
+    assert sum(stats["live_by_reason"].values()) == stats["live_numel"]
+    return stats["live_by_reason"]
+
+
+def train(engine, step):
+    engine.backward(mse_loss(engine(batch(step, torch.distributed.get_rank()))))
+    engine.step()
+
+
+def test_a_capped_forward_keeps_its_tail_for_the_backward():
+    torch.manual_seed(0)
+    engine = training_engine(model_a(), zero3_config(bucket=100_000, reuse=DEFAULT, max_live=6_312_196 // 2))
+    train(engine, 0)
+    assert live(engine) == NOTHING
+    loss = mse_loss(engine(batch(1, torch.distributed.get_rank())))
+    assert live(engine) == dict(NOTHING, for_backward=2_891_268)
+    engine.backward(loss)
+    assert live(engine) == NOTHING  # the backward ends: nothing survives it
+    engine.step()
+    engine.destroy()
+
+
+def test_eval_forwards_under_a_cap_carry_their_prefix_to_the_next():
+    torch.manual_seed(0)
+    engine = training_engine(model_b(), zero3_config(bucket=20_000, reuse=DEFAULT, max_live=199_876 // 2))
+    train(engine, 0)
+    with torch.no_grad():
+        for token in range(3):
+            engine(batch(100 + token, torch.distributed.get_rank()))
+            assert live(engine) == dict(NOTHING, for_next_eval=83_904), token
+    train(engine, 1)  # its forward uses the carry; its step releases everything
+    assert live(engine) == NOTHING
+    engine.destroy()
