@@ -1,15 +1,32 @@
 """``Residency`` ([Note: residency]): the gathered set in gather order, the parked set in first-park order, and
 the live numel they add up to."""
 
-from deepspeed_zero3.runtime.zero.residency import Boundary, Reason, Residency, survives_table
+from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+from deepspeed_zero3.runtime.zero.capabilities import HELD_MARK_ATTR
+from deepspeed_zero3.runtime.zero.residency import (Boundary, Reason, Released, Residency, releasable,
+                                                    survives_table)
 from deepspeed_zero3.runtime.zero.stats import ZeroStats
 
 from zero_fakes import zparam
 
 
-def _residency():
+class RecordingGatherer:
+    """The two things ``Residency.release`` asks of the gatherer: its in-flight registry, and a wait."""
+
+    def __init__(self):
+        self.inflight = {}
+        self.waited = []
+
+    def wait(self, params):
+        for param in params:
+            self.waited.append(param.ds_id)
+            param.ds_status = ZeroParamStatus.AVAILABLE
+
+
+def _residency(gatherer=None):
     stats = ZeroStats()
-    return Residency(stats), stats
+    return Residency(stats, gatherer or RecordingGatherer()), stats
 
 
 def test_gathered_keeps_gather_order_and_counts_numel_once():
@@ -118,8 +135,6 @@ def test_forgetting_the_traces_demotes_the_carry_to_reuse():
 
 
 def test_numel_by_reason_splits_the_live_numel():
-    from deepspeed_zero3.runtime.zero.capabilities import HELD_MARK_ATTR
-
     residency, _ = _residency()
     reuse, carried, carried2, in_use, held, ahead = (zparam(i, 10 * (i + 1)) for i in range(6))
     residency.add([reuse, carried, carried2, in_use, held, ahead])
@@ -191,3 +206,58 @@ def test_the_table_is_quoted_verbatim_in_the_note_and_in_design_md():
     text = design.read_text().splitlines()
     start = text.index(lines[0])
     assert text[start:start + len(lines)] == lines
+
+
+def _gathered(residency, *params):
+    for param in params:
+        param.ds_status = ZeroParamStatus.AVAILABLE
+    residency.add(params)
+    return params
+
+
+def test_releasable_means_unused_and_not_held():
+    free, in_use, held = (zparam(i, 10, status=ZeroParamStatus.AVAILABLE) for i in range(3))
+    in_use.ds_active_sub_modules.add(5)
+    setattr(held, HELD_MARK_ATTR, 1)
+    assert [releasable(p) for p in (free, in_use, held)] == [True, False, False]
+
+
+def test_release_partitions_an_unused_parameter_and_forgets_it():
+    residency, stats = _residency()
+    a, b = _gathered(residency, zparam(0, 10), zparam(1, 20))
+    residency.park(a, Reason.REUSE)
+    partitioned = []
+    assert residency.release(a, partition=lambda p: partitioned.append(p.ds_id)) is Released.PARTITIONED
+    assert partitioned == [0] and residency.gathered() == (b, ) and residency.parked() == ()
+    assert residency.numel == 20 == stats.live_numel
+
+
+def test_release_leaves_a_held_parameter_exactly_as_it_is():
+    gatherer = RecordingGatherer()
+    residency, _ = _residency(gatherer)
+    (a, ) = _gathered(residency, zparam(0, 10))
+    residency.park(a, Reason.FOR_BACKWARD)
+    gatherer.inflight[a] = "handle"
+    setattr(a, HELD_MARK_ATTR, 1)
+    assert residency.release(a, partition=lambda p: None) is Released.HELD
+    assert residency.parked() == (a, ) and residency.gathered() == (a, ) and a in gatherer.inflight
+
+
+def test_release_forgets_a_parameter_in_use_without_partitioning_it():
+    residency, _ = _residency()
+    (a, ) = _gathered(residency, zparam(0, 10))
+    a.ds_active_sub_modules.add(3)
+    assert residency.release(a, partition=lambda p: 1 / 0) is Released.FORGOTTEN
+    assert residency.gathered() == () and a.ds_status == ZeroParamStatus.AVAILABLE
+
+
+def test_release_completes_a_gather_in_flight_and_unregisters_it():
+    gatherer = RecordingGatherer()
+    residency, _ = _residency(gatherer)
+    a, b = zparam(0, 10, status=ZeroParamStatus.INFLIGHT), zparam(1, 10, status=ZeroParamStatus.AVAILABLE)
+    residency.add([a, b])
+    gatherer.inflight.update({a: "handle", b: "completed by a coalesced sibling, still registered"})
+    partitioned = []
+    for param in (a, b):
+        assert residency.release(param, partition=lambda p: partitioned.append(p.ds_id)) is Released.PARTITIONED
+    assert gatherer.waited == [0] and partitioned == [0, 1] and gatherer.inflight == {}

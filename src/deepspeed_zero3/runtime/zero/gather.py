@@ -20,7 +20,6 @@ from torch.nn import Parameter
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.zero.partition_parameters import AllGatherCoalescedHandle, ZeroParamStatus
 
-from deepspeed_zero3.runtime.zero.capabilities import HELD_MARK_ATTR
 
 MAX_QUEUED_FETCH_EVENTS = 2
 
@@ -158,13 +157,3 @@ class Gatherer:
         for param in params:
             self.inflight.pop(param).wait()
         return params
-
-
-def held_by_gathered_parameters(param: Parameter) -> bool:
-    """Gathered by an open ``deepspeed.zero.GatheredParameters`` context, which partitions it when it exits.
-
-    Such a parameter is the context's, not ours: released under it, a module that uses it again (or the
-    backward that it was kept for) would gather it again, and inside the context a forward may run on one
-    rank only. Upstream marks these parameters with a context depth (from 0.19.4); its own coordinator ignores it.
-    """
-    return getattr(param, HELD_MARK_ATTR, 0) > 0  # [Note: release capabilities]

@@ -15,7 +15,7 @@ from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus, registe
 from deepspeed.utils.logging import logger
 
 from deepspeed_zero3.runtime.zero import capabilities
-from deepspeed_zero3.runtime.zero.gather import held_by_gathered_parameters
+from deepspeed_zero3.runtime.zero.residency import releasable
 from deepspeed_zero3.runtime.zero.hooks import FWD_MODULE_STACK
 from deepspeed_zero3.runtime.zero.registry_lookup import REGISTRY_ATTR, find_registry
 
@@ -99,7 +99,7 @@ def _gathered_ahead_unclaimed(param) -> bool:
     registered as external as if it had been partitioned, and a gather in flight is completed through the
     coordinator that started it (which also makes the stream wait for it).
     """
-    return not (param.ds_active_sub_modules or param.ds_persist or held_by_gathered_parameters(param))
+    return not param.ds_persist and releasable(param)
 
 
 def _complete_gather(module, param) -> None:

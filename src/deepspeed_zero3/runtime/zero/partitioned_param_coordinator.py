@@ -38,7 +38,7 @@ from deepspeed.utils.logging import logger
 
 from deepspeed_zero3.activation import check_kill_switch
 from deepspeed_zero3.runtime.zero.eager import eager_only
-from deepspeed_zero3.runtime.zero.gather import Gatherer, InflightParamRegistry, held_by_gathered_parameters
+from deepspeed_zero3.runtime.zero.gather import Gatherer, InflightParamRegistry
 from deepspeed_zero3.runtime.zero.keeping import BackwardKeeping
 from deepspeed_zero3.runtime.zero.leaf_granularity import FastLeafSharding
 from deepspeed_zero3.runtime.zero.module_params import fetch_params, iter_params
@@ -51,8 +51,7 @@ from deepspeed_zero3.runtime.zero.prefetch import PassPrefetcher
 from deepspeed_zero3.runtime.zero.profiling import EventTimings, module_range, pass_range
 from deepspeed_zero3.runtime.zero.recompute import ExternalReads, in_autograd_engine, is_external_of
 from deepspeed_zero3.runtime.zero.rank_agreement import PassOrderCheck, check_ranks_from_env, check_same_module_on_all_ranks
-from deepspeed_zero3.runtime.zero.release import release as release_gathered
-from deepspeed_zero3.runtime.zero.residency import Boundary, Reason, Residency
+from deepspeed_zero3.runtime.zero.residency import Boundary, Reason, Released, Residency, releasable
 from deepspeed_zero3.runtime.zero.running_pass import RunningPass
 from deepspeed_zero3.runtime.zero.settings import PrefetchSettings
 from deepspeed_zero3.runtime.zero.stats import ZeroStats, format_line, stats_every_from_env
@@ -123,7 +122,7 @@ class PartitionedParameterCoordinator:
         # The pass running now, None between passes ([Note: the running pass]).
         self.running: Optional[RunningPass] = None
         # What is gathered, and what of it stays gathered on purpose ([Note: residency]).
-        self.residency = Residency(self.stats)
+        self.residency = Residency(self.stats, self.gatherer)
         self.root_depth = 0
         check_kill_switch(os.environ)
         self.stats_every = stats_every_from_env(os.environ)
@@ -467,8 +466,7 @@ class PartitionedParameterCoordinator:
         for param in candidates:
             if count <= 0:
                 return
-            if (on_nvme(param) and param.ds_status != ZeroParamStatus.NOT_AVAILABLE and not param.ds_active_sub_modules
-                    and not held_by_gathered_parameters(param)):
+            if on_nvme(param) and param.ds_status != ZeroParamStatus.NOT_AVAILABLE and releasable(param):
                 self._release(param)
                 count -= 1
 
@@ -524,10 +522,8 @@ class PartitionedParameterCoordinator:
                 recomputed.clear()
             for param in params:
                 param.ds_active_sub_modules.discard(submodule.ds_id)
-                if (param.ds_persist or param.is_external_param or param.ds_active_sub_modules
-                        or held_by_gathered_parameters(param)):
-                    continue
-                if param.ds_status != ZeroParamStatus.AVAILABLE:
+                if (param.ds_persist or param.is_external_param or not releasable(param)
+                        or param.ds_status != ZeroParamStatus.AVAILABLE):
                     continue
                 if prefetcher is not None and prefetcher.holds(param, step):
                     prefetcher.adopt(param)
@@ -563,21 +559,14 @@ class PartitionedParameterCoordinator:
         return None
 
     def _release(self, param: Parameter, partition=None) -> None:
-        """``partition``: how to partition it, if not as ``param.partition()`` does (fast leaf sharding)."""
-        if held_by_gathered_parameters(param):
-            # Left exactly as it is, bookkeeping included: the context partitions it at its exit on every
-            # rank, and whatever we kept it for stays counted the same way on every rank.
-            return
-        if param.ds_status == ZeroParamStatus.INFLIGHT:
-            self.gatherer.wait([param])
-        # One coalesced handle covers several modules' parameters; a sibling's wait completed this one but
-        # left it registered. Released unregistered, it would be refused as "in flight" at its next gather.
-        self.inflight.pop(param, None)
-        if param.ds_status == ZeroParamStatus.AVAILABLE and not param.ds_active_sub_modules:
-            (partition or release_gathered)(param)  # [Note: releasing a gathered parameter]
-            if self.running is not None:
-                self.running.released += 1
-        self._forget(param)
+        """``Residency.release``, counted for the running pass; its prefetcher forgets what was released."""
+        outcome = self.residency.release(param, partition)
+        if outcome is Released.HELD:
+            return  # the prefetcher's records too stay as they are
+        if outcome is Released.PARTITIONED and self.running is not None:
+            self.running.released += 1
+        if self.running is not None and self.running.prefetcher is not None:
+            self.running.prefetcher.forget(param)
 
     def _forget(self, param: Parameter) -> None:
         if self.running is not None and self.running.prefetcher is not None:
@@ -608,9 +597,8 @@ class PartitionedParameterCoordinator:
             if self.running is not None:
                 return  # a load inside a forward is the forward's business
             for param in self.residency.parked():
-                if (param.ds_status == ZeroParamStatus.AVAILABLE and not param.ds_active_sub_modules
-                        and not held_by_gathered_parameters(param)):
-                    param.partition(has_been_updated=True)
+                if param.ds_status == ZeroParamStatus.AVAILABLE and releasable(param):
+                    param.partition(has_been_updated=True)  # the load's exception: the loaded values are kept
                 self._forget(param)
 
     # ------------------------------------------------------------------ upstream entry points

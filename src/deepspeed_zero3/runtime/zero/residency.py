@@ -32,8 +32,15 @@ One ``Residency`` per coordinator answers "why is this parameter gathered right 
   reasons, then, read from upstream's records at that moment, ``in_use`` (a module's fetch holds
   it), ``held`` (a ``GatheredParameters`` holds it) and ``ahead`` (gathered for a later module of
   the running pass). Its values add up to ``numel``; it is ``get_zero3_stats``' ``live_by_reason``.
-* ``forget`` is the one way out of both, used wherever a parameter is partitioned; forgetting a
-  parameter parked but not gathered is allowed and leaves the numel unchanged.
+* One predicate says whether a gathered parameter may be released, ``releasable`` (no module uses
+  it, no ``GatheredParameters`` holds it), and one path releases it, ``Residency.release``: held,
+  it is left exactly as it is, records included; in flight, its gather is completed; then it is
+  partitioned if gathered and unused, and forgotten. Two places partition on their own terms, as
+  upstream's contracts require: ``release_and_reset_all`` (every parameter, persistent ones too, at
+  ``step()``) and the load path (``partition(has_been_updated=True)``: the loaded values become the
+  partition).
+* ``forget`` is the one way out of both records; forgetting a parameter parked but not gathered is
+  allowed and leaves the numel unchanged.
 Upstream's own records stay where they are and are asked, never copied: ``ds_status``,
 ``ds_active_sub_modules``, the in-flight registry, ``ds_persist``.
 """
@@ -43,8 +50,35 @@ from typing import Callable, Dict, FrozenSet, Iterable, List, NamedTuple, Option
 
 from torch.nn import Parameter
 
-from deepspeed_zero3.runtime.zero.gather import held_by_gathered_parameters
+from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+from deepspeed_zero3.runtime.zero.capabilities import HELD_MARK_ATTR
+from deepspeed_zero3.runtime.zero.gather import Gatherer
+from deepspeed_zero3.runtime.zero.release import release as release_gathered
 from deepspeed_zero3.runtime.zero.stats import ZeroStats
+
+
+def held_by_gathered_parameters(param: Parameter) -> bool:
+    """Gathered by an open ``deepspeed.zero.GatheredParameters`` context, which partitions it when it exits.
+
+    Such a parameter is the context's, not ours: released under it, a module that uses it again (or the
+    backward that it was kept for) would gather it again, and inside the context a forward may run on one
+    rank only. Upstream marks these parameters with a context depth (from 0.19.4); its own coordinator ignores it.
+    """
+    return getattr(param, HELD_MARK_ATTR, 0) > 0  # [Note: release capabilities]
+
+
+def releasable(param: Parameter) -> bool:
+    """Whether a gathered ``param`` may be released now: no module's fetch uses it and no ``GatheredParameters``
+    holds it ([Note: residency]). Its status is the caller's to ask."""
+    return not param.ds_active_sub_modules and not held_by_gathered_parameters(param)
+
+
+class Released(enum.Enum):
+    """What ``Residency.release`` did."""
+    HELD = "left as it is: a GatheredParameters holds it"
+    PARTITIONED = "partitioned and forgotten"
+    FORGOTTEN = "forgotten: not gathered, or a module uses it"
 
 
 class Reason(enum.Enum):
@@ -110,8 +144,9 @@ def survives_table() -> List[str]:
 class Residency:
     """[Note: residency]: the gathered parameters of one coordinator, and the parked ones among them."""
 
-    def __init__(self, stats: ZeroStats):
+    def __init__(self, stats: ZeroStats, gatherer: Gatherer):
         self._stats = stats
+        self._gatherer = gatherer
         self._gathered: Dict[Parameter, None] = {}  # an ordered set, gather order
         self._parked: Dict[Parameter, Reason] = {}  # first-park order
         self.numel = 0
@@ -165,6 +200,25 @@ class Residency:
         if param in self._gathered:
             del self._gathered[param]
             self._changed(-param.ds_numel)
+
+    def release(self, param: Parameter, partition: Optional[Callable[[Parameter], None]] = None) -> Released:
+        """The one release path ([Note: residency]); ``partition``: how to partition ``param`` if not as
+        ``param.partition()`` does (fast leaf sharding)."""
+        if held_by_gathered_parameters(param):
+            # Left exactly as it is, records included: the context partitions it at its exit on every rank, and
+            # whatever we kept it for stays counted the same way on every rank.
+            return Released.HELD
+        if param.ds_status == ZeroParamStatus.INFLIGHT:
+            self._gatherer.wait([param])
+        # One coalesced handle covers several modules' parameters; a sibling's wait completed this one but
+        # left it registered. Released unregistered, it would be refused as "in flight" at its next gather.
+        self._gatherer.inflight.pop(param, None)
+        outcome = Released.FORGOTTEN
+        if param.ds_status == ZeroParamStatus.AVAILABLE and not param.ds_active_sub_modules:
+            (partition or release_gathered)(param)  # [Note: releasing a gathered parameter]
+            outcome = Released.PARTITIONED
+        self.forget(param)
+        return outcome
 
     def gathered(self) -> Tuple[Parameter, ...]:
         """The recorded gathered parameters, in gather order (a snapshot: releasing while iterating is safe)."""

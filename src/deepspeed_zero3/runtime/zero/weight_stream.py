@@ -27,9 +27,7 @@ from torch.nn import Parameter
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
 from deepspeed_zero3.runtime.zero.capabilities import HELD_MARK_ATTR
-from deepspeed_zero3.runtime.zero.gather import held_by_gathered_parameters
 from deepspeed_zero3.runtime.zero.nvme_swap import blocks_gather, on_nvme
-from deepspeed_zero3.runtime.zero.release import release as release_gathered
 from deepspeed_zero3.runtime.zero.stream_lockstep import StreamLockstep
 
 
@@ -281,8 +279,6 @@ class WeightStream:
                 self.coordinator.inflight.pop(param, None)
                 self.stats.gathered_numel -= param.ds_numel
                 _hold(param, -1)
-                if (param.ds_status == ZeroParamStatus.AVAILABLE and not param.ds_active_sub_modules
-                        and not held_by_gathered_parameters(param)):
-                    release_gathered(param)  # [Note: releasing a gathered parameter]
+                self.coordinator.residency.release(param)  # [Note: residency]
         bucket.gathered = []
         bucket.issued = False
