@@ -44,10 +44,6 @@ class LineCounter:
         sys.settrace(self.previous)
 
 
-def not_persistent(param):
-    return False
-
-
 def steady_state(window: int, fetches: int = 20):
     """Per-fetch line counts of reached() and plan() at ``window`` one-numel parameters ahead of use."""
     modules = [zmodule(10_000 + i, zparam(i, 1)) for i in range(MODULES)]
@@ -60,7 +56,7 @@ def steady_state(window: int, fetches: int = 20):
             prefetcher.reached(step)
         before = counter.lines
         with (counter if measure else _Null()):
-            chosen = prefetcher.plan(0, UNLIMITED, not_persistent)
+            chosen = prefetcher.plan(0, UNLIMITED)
         for param in chosen:
             param.ds_status = ZeroParamStatus.INFLIGHT
         if measure:
@@ -94,7 +90,7 @@ def test_reached_and_plan_cost_the_same_at_a_window_of_2_and_of_500():
 def test_forget_and_adopt_keep_the_index_and_the_counter_exact():
     modules = [zmodule(100 + i, zparam(i, i + 1)) for i in range(6)]
     prefetcher = PassPrefetcher("forward", PassTrace(PassKind.FORWARD, modules), bucket_numel=UNLIMITED)
-    params = prefetcher.plan(0, UNLIMITED, not_persistent)
+    params = prefetcher.plan(0, UNLIMITED)
     assert prefetcher.outstanding_numel == 21 and sorted(prefetcher.outstanding_by_step) == [0, 1, 2, 3, 4, 5]
     prefetcher.forget(params[2])
     assert prefetcher.outstanding_numel == 18 and 2 not in prefetcher.outstanding_by_step

@@ -48,19 +48,16 @@ def per_fetch_us(window: int, modules) -> float:
 
     trace = PassTrace(PassKind.FORWARD, modules)
 
-    def not_persistent(param):
-        return False
-
     samples = []
     for _ in range(REPEATS):
         for module in modules:
             module.weight.ds_status = ZeroParamStatus.NOT_AVAILABLE
         prefetcher = PassPrefetcher("forward", trace, bucket_numel=window)
-        prefetcher.plan(0, 10**12, not_persistent)  # fill the window before timing
+        prefetcher.plan(0, 10**12)  # fill the window before timing
         start = time.perf_counter()
         for step in range(len(modules)):
             prefetcher.reached(step)
-            for param in prefetcher.plan(0, 10**12, not_persistent):
+            for param in prefetcher.plan(0, 10**12):
                 param.ds_status = ZeroParamStatus.INFLIGHT
         samples.append((time.perf_counter() - start) / len(modules) * 1e6)
     return statistics.median(samples)

@@ -90,12 +90,10 @@ class BackwardKeeping:
         # Forwards with grad that ended since the last backward ended (silent ones excluded).
         self.forwards = 0
 
-    def backward_for(self, forward: PassTrace, expected_backward) -> Optional[PassTrace]:
-        """The backward the running forward, replaying ``forward``, keeps for: the one ``expected_backward``
-        gives if this forward is the one a backward followed last time, else none."""
-        if self.forwards + 1 != forward.forwards_per_backward:
-            return None
-        return expected_backward(forward)
+    def follows(self, forward: PassTrace) -> bool:
+        """Whether the running forward, replaying ``forward``, is the one a backward followed last time (so it
+        keeps for that backward)."""
+        return self.forwards + 1 == forward.forwards_per_backward
 
     def keeps(self, param: Parameter, step: int, forward: PassTrace, backward: Optional[PassTrace],
               settings: PrefetchSettings) -> bool:

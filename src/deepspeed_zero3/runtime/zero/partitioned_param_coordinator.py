@@ -39,6 +39,7 @@ from deepspeed.utils.logging import logger
 from deepspeed_zero3.activation import check_kill_switch
 from deepspeed_zero3.runtime.zero.eager import eager_only
 from deepspeed_zero3.runtime.zero.gather import Gatherer, InflightParamRegistry
+from deepspeed_zero3.runtime.zero.keep_rule import KeepRule
 from deepspeed_zero3.runtime.zero.keeping import BackwardKeeping
 from deepspeed_zero3.runtime.zero.leaf_granularity import FastLeafSharding
 from deepspeed_zero3.runtime.zero.module_params import fetch_params, iter_params
@@ -51,15 +52,11 @@ from deepspeed_zero3.runtime.zero.prefetch import PassPrefetcher
 from deepspeed_zero3.runtime.zero.profiling import EventTimings, module_range, pass_range
 from deepspeed_zero3.runtime.zero.recompute import ExternalReads, in_autograd_engine, is_external_of
 from deepspeed_zero3.runtime.zero.rank_agreement import PassOrderCheck, check_ranks_from_env, check_same_module_on_all_ranks
-from deepspeed_zero3.runtime.zero.residency import Boundary, Reason, Released, Residency, releasable
+from deepspeed_zero3.runtime.zero.residency import Boundary, Released, Residency, releasable
 from deepspeed_zero3.runtime.zero.running_pass import RunningPass
 from deepspeed_zero3.runtime.zero.settings import PrefetchSettings
 from deepspeed_zero3.runtime.zero.stats import ZeroStats, format_line, stats_every_from_env
 from deepspeed_zero3.runtime.zero.trace import PassProgress, PassTrace, StepOutcome, TraceCache
-
-
-def _is_persistent(param: Parameter) -> bool:
-    return param.ds_persist
 
 
 _NO_EVENT = contextlib.nullcontext()
@@ -210,8 +207,7 @@ class PartitionedParameterCoordinator:
                 return
             trace = self._finish_trace(running, aborted)  # None if aborted: nothing then qualifies to survive
             if running.kind is PassKind.FORWARD:
-                backward = (self.keeping.backward_for(trace, self.prediction.expected_backward)
-                            if trace is not None else None)
+                backward = self._kept_for(trace)
                 boundary = Boundary.FORWARD_ENDS
                 qualifying = (lambda p: backward.next_use(p, -1) is not None) if backward is not None else None
                 self.keeping.forward_ended(trace)
@@ -289,9 +285,11 @@ class PartitionedParameterCoordinator:
 
     def _begin_pass(self, kind: PassKind, guess: Optional[PassTrace]) -> RunningPass:
         """[Note: the running pass]: the one place a pass's state is created."""
-        self.running = RunningPass(kind, PassProgress(kind, self.traces, guess), self._make_prefetcher(kind, guess),
-                                   self.stats.begin_pass(kind))
-        return self.running
+        running = RunningPass(kind, PassProgress(kind, self.traces, guess), self._make_prefetcher(kind, guess),
+                              self.stats.begin_pass(kind))
+        running.keep_rule = self._keep_rule(running)
+        self.running = running
+        return running
 
     def _end_pass(self, aborted: bool, compare: bool = True) -> None:
         """[Note: the running pass]: the one place a pass's state is dropped."""
@@ -425,11 +423,13 @@ class PartitionedParameterCoordinator:
                 running.prefetcher = self._make_prefetcher(running.kind, running.progress.trace)
                 if running.prefetcher is not None:
                     running.prefetcher.reached(step)
+            running.keep_rule = self._keep_rule(running)
         elif outcome is StepOutcome.DIVERGED:
             running.stats.trace_mismatches += 1
             self._log(f"{running.kind.value} pass left its trace at step {step} "
                       f"(module {type(module).__name__} ds_id={module.ds_id}); fetching on demand until it ends")
             running.prefetcher = None
+            running.keep_rule = self._keep_rule(running)
         return step
 
     def _prefetch(self, running: RunningPass, step: int, module: Optional[Module] = None) -> None:
@@ -438,7 +438,7 @@ class PartitionedParameterCoordinator:
         if prefetcher is None:
             return
         prefetcher.reached(step)
-        wanted = prefetcher.plan(self.live_numel, self.settings.max_live_numel, is_persistent=_is_persistent,
+        wanted = prefetcher.plan(self.live_numel, self.settings.max_live_numel,
                                  stop_at=blocks_gather if self.swap_ins is not None else None)
         if wanted:
             forward = not running.is_backward
@@ -513,6 +513,7 @@ class PartitionedParameterCoordinator:
                 running.active_backward.pop(submodule.ds_id, None)
             step = running.step if running is not None else -1
             prefetcher = running.prefetcher if running is not None else None
+            keep_rule = running.keep_rule if running is not None else None
             partition = self.leaf_sharding.releaser() if self.leaf_sharding.applies_to(submodule) else None
             params = self._params_to_release(running, submodule)
             recomputed = () if forward else submodule.__dict__.get("ds_recompute_parameters")
@@ -528,7 +529,7 @@ class PartitionedParameterCoordinator:
                 if prefetcher is not None and prefetcher.holds(param, step):
                     prefetcher.adopt(param)
                     continue
-                reason = self._keep_reason(running, param, step)
+                reason = keep_rule.reason(param, step, self.live_numel, self.settings) if keep_rule else None
                 if reason is not None:
                     self.residency.park(param, reason)
                     continue
@@ -538,25 +539,17 @@ class PartitionedParameterCoordinator:
             if not forward and running is not None:
                 running.active_backward.pop(submodule.ds_id, None)
 
-    def _keep_reason(self, running: Optional[RunningPass], param: Parameter, step: int) -> Optional[Reason]:
-        """Why ``param``, released after ``step``, stays gathered, if it does: for the backward ([Note: budgeted
-        keeping]), for the next eval forward ([Note: keeping across no-grad passes]), or for its next use in this
-        pass within the reuse distance."""
-        trace = running.replayed_trace() if running is not None else None
-        if trace is None:
+    def _kept_for(self, forward: Optional[PassTrace]) -> Optional[PassTrace]:
+        """The backward a forward with grad replaying ``forward`` keeps for ([Note: budgeted keeping]), if any."""
+        if forward is None or not self.keeping.follows(forward):
             return None
-        if running.kind is PassKind.FORWARD and self.keeping.keeps(
-                param, step, trace, self.keeping.backward_for(trace, self.prediction.expected_backward), self.settings):
-            return Reason.FOR_BACKWARD  # at reuse 0 too: what the backward's first window gathers again
-        if running.kind is PassKind.EVAL_FORWARD and self.nograd_keeping.keeps(param, step, trace, self.settings):
-            return Reason.FOR_NEXT_EVAL
-        limit = self.settings.max_reuse_numel
-        if limit == 0 or self.live_numel > self.settings.max_live_numel:
-            return None
-        next_step = trace.next_use(param, step)
-        if next_step is not None and trace.numel_between(step + 1, next_step) < limit:
-            return Reason.REUSE
-        return None
+        return self.prediction.expected_backward(forward)
+
+    def _keep_rule(self, running: RunningPass) -> KeepRule:
+        """[Note: a keep rule per pass]: built when a pass begins and when its replayed trace switches or is left."""
+        trace = running.replayed_trace()
+        following = self._kept_for(trace) if running.kind is PassKind.FORWARD else None
+        return KeepRule(running.kind, trace, following, self.keeping, self.nograd_keeping)
 
     def _release(self, param: Parameter, partition=None) -> None:
         """``Residency.release``, counted for the running pass; its prefetcher forgets what was released."""

@@ -148,7 +148,7 @@ class PassPrefetcher:
         self._drop_outstanding(param)
         self.claims.pop(param, None)
 
-    def plan(self, live_numel: int, max_live_numel: int, is_persistent: Callable[[Parameter], bool],
+    def plan(self, live_numel: int, max_live_numel: int,
              stop_at: Optional[Callable[[Parameter], bool]] = None) -> List[Parameter]:
         """Parameters to gather now, in trace order, within the window and the live cap.
 
@@ -171,7 +171,7 @@ class PassPrefetcher:
                 started_step = step
             self.cursor += 1
             if param.ds_status != ZeroParamStatus.NOT_AVAILABLE or param in self.outstanding:
-                if not is_persistent(param):
+                if not param.ds_persist:
                     claims[param] = max(claims.get(param, -1), step)
                 continue
             chosen.append(param)
