@@ -49,7 +49,8 @@ def iter_gathered_parameters(model_or_engine, bucket_numel: Optional[int] = None
                  for name, param in module.named_parameters()]
     if names is not None:
         units = _select(units, names)
-    return WeightStream(coordinator, units, bucket_numel)
+    return WeightStream(coordinator.gatherer, coordinator.residency, coordinator.lock, coordinator.running_kind,
+                        units, bucket_numel)
 
 
 def stream_module(target) -> Module:

@@ -14,13 +14,14 @@ from deepspeed_zero3.testing.engines import batch, mse_loss, training_engine, ze
 from deepspeed_zero3.testing.models import model_a, model_b
 
 DEFAULT = 1_000_000_000
-NOTHING = {"reuse": 0, "for_backward": 0, "for_next_eval": 0, "in_use": 0, "held": 0, "ahead": 0}
+NOTHING = {"reuse": 0, "for_backward": 0, "for_next_eval": 0, "stream": 0, "in_use": 0, "held": 0, "ahead": 0}
 
 
 def live(engine):
     stats = deepspeed_zero3.get_zero3_stats(engine)
-    assert sum(stats["live_by_reason"].values()) == stats["live_numel"]
-    return stats["live_by_reason"]
+    by_reason = stats["live_by_reason"]
+    assert sum(by_reason.values()) - by_reason["stream"] == stats["live_numel"]
+    return by_reason
 
 
 def train(engine, step):
@@ -51,4 +52,21 @@ def test_eval_forwards_under_a_cap_carry_their_prefix_to_the_next():
             assert live(engine) == dict(NOTHING, for_next_eval=83_904), token
     train(engine, 1)  # its forward uses the carry; its step releases everything
     assert live(engine) == NOTHING
+    engine.destroy()
+
+
+def test_a_weight_streams_buckets_are_held_for_the_stream():
+    """Model B, bucket 20,000 (test_weight_stream.py): while the consumer reads the second bucket (block 0's down,
+    16,448) the third (block 1's up, 16,640) is in flight ahead; both are the stream's, outside live_numel."""
+    torch.manual_seed(0)
+    engine = training_engine(model_b(), zero3_config(bucket=20_000, reuse=0))
+    train(engine, 0)
+    seen = []
+    for names, _ in deepspeed_zero3.iter_gathered_parameters(engine).iter_groups():
+        stats = deepspeed_zero3.get_zero3_stats(engine)
+        seen.append((names, stats["live_numel"], stats["live_by_reason"]))
+    names, live_numel, by_reason = seen[1]
+    assert names == ["blocks.0.down.weight", "blocks.0.down.bias"]
+    assert live_numel == 0 and by_reason == dict(NOTHING, stream=16_448 + 16_640)
+    assert live(engine) == NOTHING  # the stream ended: nothing held
     engine.destroy()

@@ -139,6 +139,12 @@ class PartitionedParameterCoordinator:
     def live_numel(self) -> int:
         return self.residency.numel
 
+    def running_kind(self) -> Optional[str]:
+        """The kind of the pass running now (``"forward"``, ``"eval_forward"``, ``"backward"``), None between
+        passes: what a weight stream asks before it starts."""
+        running = self.running
+        return running.kind.value if running is not None else None
+
     def is_complete_trace(self) -> bool:
         """Whether the running pass replays a recorded trace (upstream's name)."""
         return self.running is not None and self.running.progress.replaying()

@@ -11,6 +11,10 @@ One ``Residency`` per coordinator answers "why is this parameter gathered right 
   passes]). Parking a parked parameter again keeps its place, so the NVMe swap room frees in
   the order parameters were parked, as before this object existed.
 * Persistent parameters are never recorded: they stay gathered for good and count toward no cap.
+* ``hold``/``unhold``: a weight stream's buckets (reason STREAM, [Note: streaming weights]). Held
+  parameters are the stream's: marked as ``GatheredParameters`` marks its own (so no pass releases
+  them and upstream refuses an overlapping context), outside ``numel`` (the stream has its own
+  bound), and released by the stream alone.
 * Each parked parameter has one ``Reason``. FOR_NEXT_EVAL is sticky: a silent pass re-parks what
   the last eval forward carried (as REUSE where it has a later use) and must leave the carry as it
   found it, so re-parking never changes it; only ``settle`` at a boundary (which decides afresh
@@ -18,20 +22,21 @@ One ``Residency`` per coordinator answers "why is this parameter gathered right 
 * What survives each pass boundary is one table, ``SURVIVES``, crossed by one method, ``cross``
   (``survives_table()`` renders it; docs/design.md quotes it and a unit test keeps both equal):
 
-  | boundary | parked reasons that may survive | filtered by | survivors become |
-  |---|---|---|---|
-  | a forward with grad ends | all | used by the expected backward | FOR_BACKWARD |
-  | an eval forward ends | all | in the next eval's keep plan | FOR_NEXT_EVAL |
-  | a forward begins, none open | FOR_NEXT_EVAL | - | unchanged |
-  | a backward ends | none | - | - |
-  | step, abandon_step, an aborted pass, registry close | none | - | - |
+  | boundary | survive as they are | survive if they qualify | qualify if | these become |
+  |---|---|---|---|---|
+  | a forward with grad ends | STREAM | REUSE, FOR_BACKWARD, FOR_NEXT_EVAL | used by the expected backward | FOR_BACKWARD |
+  | an eval forward ends | STREAM | REUSE, FOR_BACKWARD, FOR_NEXT_EVAL | in the next eval's keep plan | FOR_NEXT_EVAL |
+  | a forward begins, none open | FOR_NEXT_EVAL, STREAM | - | - | - |
+  | a backward ends | STREAM | - | - | - |
+  | step, abandon_step, an aborted pass, registry close | STREAM | - | - | - |
 
   Every other gathered parameter is released. A pass that ends aborted crosses the last row. A
   silent pass ([Note: silent passes]) crosses none.
 * ``numel_by_reason()`` splits the live numel by why each parameter is gathered: the parked
-  reasons, then, read from upstream's records at that moment, ``in_use`` (a module's fetch holds
-  it), ``held`` (a ``GatheredParameters`` holds it) and ``ahead`` (gathered for a later module of
-  the running pass). Its values add up to ``numel``; it is ``get_zero3_stats``' ``live_by_reason``.
+  reasons and ``stream``, then, read from upstream's records at that moment, ``in_use`` (a module's
+  fetch holds it), ``held`` (a ``GatheredParameters`` holds it) and ``ahead`` (gathered for a later
+  module of the running pass). Its values but ``stream`` add up to ``numel``; it is
+  ``get_zero3_stats``' ``live_by_reason``.
 * One predicate says whether a gathered parameter may be released, ``releasable`` (no module uses
   it, no ``GatheredParameters`` holds it), and one path releases it, ``Residency.release``: held,
   it is left exactly as it is, records included; in flight, its gather is completed; then it is
@@ -92,6 +97,9 @@ class Reason(enum.Enum):
     # The next eval forward's first parameters, kept past this one's end: within the cap
     # ([Note: keeping across no-grad passes]).
     FOR_NEXT_EVAL = "for_next_eval"
+    # A weight stream's buckets while its consumer reads them: at most two buckets and the largest unit
+    # ([Note: streaming weights]); outside live_numel.
+    STREAM = "stream"
 
 
 class Boundary(enum.Enum):
@@ -104,24 +112,25 @@ class Boundary(enum.Enum):
 
 
 class Survival(NamedTuple):
-    """One row of ``SURVIVES``: which parked reasons may survive a boundary, the test that filters them (None:
-    none; the boundary's caller passes it to ``cross``), and the reason survivors have past it (None: the one
-    they had)."""
-    reasons: FrozenSet[Reason]
-    filtered_by: Optional[str]
-    becomes: Optional[Reason]
+    """One row of ``SURVIVES``: the reasons that survive a boundary as they are; those that survive if they
+    pass the boundary's test (``filtered_by`` says what it is; the boundary's caller passes it to ``cross``),
+    and the reason these have past it."""
+    unchanged: FrozenSet[Reason]
+    filtered: FrozenSet[Reason] = frozenset()
+    filtered_by: Optional[str] = None
+    becomes: Optional[Reason] = None
 
 
-_ALL = frozenset(Reason)
-_NONE: FrozenSet[Reason] = frozenset()
+_KEPT = frozenset({Reason.REUSE, Reason.FOR_BACKWARD, Reason.FOR_NEXT_EVAL})
+_STREAM = frozenset({Reason.STREAM})
 
 # [Note: residency]'s table, the one place that says what survives a boundary.
 SURVIVES: Dict[Boundary, Survival] = {
-    Boundary.FORWARD_ENDS: Survival(_ALL, "used by the expected backward", becomes=Reason.FOR_BACKWARD),
-    Boundary.EVAL_FORWARD_ENDS: Survival(_ALL, "in the next eval's keep plan", becomes=Reason.FOR_NEXT_EVAL),
-    Boundary.FORWARD_BEGINS: Survival(frozenset({Reason.FOR_NEXT_EVAL}), None, becomes=None),
-    Boundary.BACKWARD_ENDS: Survival(_NONE, None, becomes=None),
-    Boundary.RESET: Survival(_NONE, None, becomes=None),
+    Boundary.FORWARD_ENDS: Survival(_STREAM, _KEPT, "used by the expected backward", Reason.FOR_BACKWARD),
+    Boundary.EVAL_FORWARD_ENDS: Survival(_STREAM, _KEPT, "in the next eval's keep plan", Reason.FOR_NEXT_EVAL),
+    Boundary.FORWARD_BEGINS: Survival(frozenset({Reason.FOR_NEXT_EVAL, Reason.STREAM})),
+    Boundary.BACKWARD_ENDS: Survival(_STREAM),
+    Boundary.RESET: Survival(_STREAM),
 }
 
 # Derived at read time, after the parked reasons, in numel_by_reason's keys.
@@ -130,14 +139,15 @@ DERIVED = ("in_use", "held", "ahead")
 
 def survives_table() -> List[str]:
     """``SURVIVES`` as the lines of a markdown table."""
-    lines = ["| boundary | parked reasons that may survive | filtered by | survivors become |", "|---|---|---|---|"]
+    def names(reasons):
+        return ", ".join(reason.name for reason in Reason if reason in reasons) or "-"
+
+    lines = ["| boundary | survive as they are | survive if they qualify | qualify if | these become |",
+             "|---|---|---|---|---|"]
     for boundary, row in SURVIVES.items():
-        if row.reasons == _ALL:
-            reasons = "all"
-        else:
-            reasons = ", ".join(reason.name for reason in Reason if reason in row.reasons) or "none"
-        becomes = row.becomes.name if row.becomes is not None else ("unchanged" if row.reasons else "-")
-        lines.append(f"| {boundary.value} | {reasons} | {row.filtered_by or '-'} | {becomes} |")
+        becomes = row.becomes.name if row.becomes is not None else "-"
+        lines.append(f"| {boundary.value} | {names(row.unchanged)} | {names(row.filtered)} | "
+                     f"{row.filtered_by or '-'} | {becomes} |")
     return lines
 
 
@@ -149,6 +159,7 @@ class Residency:
         self._gatherer = gatherer
         self._gathered: Dict[Parameter, None] = {}  # an ordered set, gather order
         self._parked: Dict[Parameter, Reason] = {}  # first-park order
+        self._streamed: Dict[Parameter, int] = {}  # held by weight streams (how many), first-hold order
         self.numel = 0
 
     def add(self, params: Iterable[Parameter]) -> None:
@@ -176,12 +187,13 @@ class Residency:
         qualifies, as when a forward has no expected backward or an eval forward no trace). The caller releases
         every other gathered parameter."""
         row = SURVIVES[boundary]
-        survivors = tuple(param for param, reason in self._parked.items()
-                          if reason in row.reasons and (row.filtered_by is None or (qualifying is not None
-                                                                                     and qualifying(param))))
+        qualified = tuple(param for param, reason in self._parked.items()
+                          if reason in row.filtered and qualifying is not None and qualifying(param))
         if row.becomes is not None:
-            self.settle(survivors, row.becomes)
-        return survivors
+            self.settle(qualified, row.becomes)
+        qualified = set(qualified)  # Parameters hash by identity
+        return tuple(param for param, reason in self._parked.items()
+                     if reason in row.unchanged or param in qualified)
 
     def demote_next_eval(self) -> None:
         """The traces a carry was planned from are forgotten: what it kept is kept for no next pass any more,
@@ -200,6 +212,25 @@ class Residency:
         if param in self._gathered:
             del self._gathered[param]
             self._changed(-param.ds_numel)
+
+    def hold(self, param: Parameter) -> None:
+        """A weight stream gathered ``param`` for a bucket: it is the stream's until ``unhold`` (reason STREAM).
+        Marked as ``GatheredParameters`` marks its own, so upstream's context mark says so to every reader."""
+        self._streamed[param] = self._streamed.get(param, 0) + 1
+        setattr(param, HELD_MARK_ATTR, getattr(param, HELD_MARK_ATTR, 0) + 1)
+
+    def unhold(self, param: Parameter) -> None:
+        """The stream is done with ``param`` (it releases it next, through ``release``)."""
+        count = self._streamed.get(param, 0) - 1
+        if count > 0:
+            self._streamed[param] = count
+        else:
+            self._streamed.pop(param, None)
+        depth = getattr(param, HELD_MARK_ATTR, 0) - 1
+        if depth > 0:
+            setattr(param, HELD_MARK_ATTR, depth)
+        elif hasattr(param, HELD_MARK_ATTR):
+            delattr(param, HELD_MARK_ATTR)
 
     def release(self, param: Parameter, partition: Optional[Callable[[Parameter], None]] = None) -> Released:
         """The one release path ([Note: residency]); ``partition``: how to partition ``param`` if not as
@@ -231,6 +262,7 @@ class Residency:
     def numel_by_reason(self) -> Dict[str, int]:
         """The live numel by why it is gathered ([Note: residency]); every key present, zero included."""
         numel = dict.fromkeys([reason.value for reason in Reason] + list(DERIVED), 0)
+        numel[Reason.STREAM.value] = sum(param.ds_numel for param in self._streamed)
         for param in self._gathered:
             if param.ds_active_sub_modules:
                 why = "in_use"

@@ -10,9 +10,10 @@ tensor, and nothing in flight while the consumer works, are what make it slow.
   released when the consumer moves past it. So the stream's peak stays under that bound.
 * A parameter already gathered (persistent, kept, inside the caller's ``GatheredParameters``)
   is yielded as it is and never released by the stream.
-* It uses the runtime's gather path (the all-gather stream, its back-pressure), but its
-  parameters are not in the coordinator's residency: it marks them held as ``GatheredParameters``
-  does, so no pass releases them, and it refuses to start while a pass runs. Leaving early
+* It uses the runtime's gather path (the all-gather stream, its back-pressure, the coordinator's
+  lock), and its parameters are held in the residency for the stream (reason STREAM, [Note:
+  residency]): marked as ``GatheredParameters`` marks its own, so no pass releases them, outside
+  ``live_numel``. It refuses to start while a pass runs. Leaving early
   completes what is in flight and releases all it gathered. Every rank must iterate alike: each
   bucket is a collective, and a rank that stops alone stops the others after that bucket
   ([Note: a stream stops together]).
@@ -26,8 +27,9 @@ from torch.nn import Parameter
 
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
-from deepspeed_zero3.runtime.zero.capabilities import HELD_MARK_ATTR
+from deepspeed_zero3.runtime.zero.gather import Gatherer
 from deepspeed_zero3.runtime.zero.nvme_swap import blocks_gather, on_nvme
+from deepspeed_zero3.runtime.zero.residency import Residency
 from deepspeed_zero3.runtime.zero.stream_lockstep import StreamLockstep
 
 
@@ -69,17 +71,6 @@ class _Bucket:
     @property
     def pending_numel(self) -> int:
         return sum(p.ds_numel for u in self.units for p in u.params if p.ds_status == ZeroParamStatus.NOT_AVAILABLE)
-
-
-def _hold(param: Parameter, delta: int) -> None:
-    """Mark ``param`` as held by an open gather context while the stream holds it, as ``GatheredParameters``
-    marks its own: a forward the consumer runs meanwhile then neither releases nor keeps it, and a
-    ``GatheredParameters`` over it is refused by upstream as an overlap."""
-    depth = getattr(param, HELD_MARK_ATTR, 0) + delta
-    if depth > 0:
-        setattr(param, HELD_MARK_ATTR, depth)
-    elif hasattr(param, HELD_MARK_ATTR):
-        delattr(param, HELD_MARK_ATTR)
 
 
 def _swap_reads(params) -> List[Parameter]:
@@ -124,8 +115,14 @@ class WeightStream:
     nothing.
     """
 
-    def __init__(self, coordinator, units: Sequence[StreamUnit], bucket_numel: int):
-        self.coordinator = coordinator
+    def __init__(self, gatherer: Gatherer, residency: Residency, lock, running_pass: Callable[[], Optional[str]],
+                 units: Sequence[StreamUnit], bucket_numel: int):
+        """``lock``: the coordinator's, held around each gather and release; ``running_pass``: the kind of the
+        pass running now, None between passes."""
+        self.gatherer = gatherer
+        self.residency = residency
+        self.lock = lock
+        self.running_pass = running_pass
         self.units = list(units)
         self.bucket_numel = bucket_numel
         self.largest_unit = max((u.numel for u in self.units), default=0)
@@ -195,8 +192,9 @@ class WeightStream:
         if self._buckets is not None:
             raise RuntimeError("a WeightStream is iterated once; call iter_gathered_parameters() again for another "
                                "pass over the weights")
-        if self.coordinator.running is not None:
-            raise RuntimeError(f"iter_gathered_parameters: a {self.coordinator.running.kind.value} pass is running; "
+        running = self.running_pass()
+        if running is not None:
+            raise RuntimeError(f"iter_gathered_parameters: a {running} pass is running; "
                                f"stream the weights between passes (after engine.step(), or outside the model's "
                                f"forward)")
         self._buckets = cut_buckets(self.units, self.bucket_numel, self.swap_buffers)
@@ -246,21 +244,21 @@ class WeightStream:
             return
         bucket.issued = True
         params = list(dict.fromkeys(p for u in bucket.units for p in u.params))  # a shared parameter once
-        with self.coordinator.lock:
-            for group in self.coordinator.gatherer.submit(params):
+        with self.lock:
+            for group in self.gatherer.submit(params):
                 numel = sum(p.ds_numel for p in group)
                 self.stats.allgather_calls += 1
                 self.stats.allgather_numel += numel
                 self.stats.gathered_numel += numel
                 for param in group:
-                    _hold(param, +1)
+                    self.residency.hold(param)
                 bucket.gathered.extend(group)
         self.stats.peak_gathered_numel = max(self.stats.peak_gathered_numel, self.stats.gathered_numel)
 
     def _wait(self, bucket: _Bucket, check: bool) -> None:
         params = [p for u in bucket.units for p in u.params]
-        with self.coordinator.lock:
-            self.coordinator.gatherer.wait(params)
+        with self.lock:
+            self.gatherer.wait(params)
         for param in params if check else ():
             if param.ds_status != ZeroParamStatus.AVAILABLE:
                 raise RuntimeError(f"deepspeed-zero3: parameter ds_id={param.ds_id} shape={tuple(param.ds_shape)} is "
@@ -269,16 +267,16 @@ class WeightStream:
     def _release(self, bucket: _Bucket, later: Sequence[_Bucket]) -> None:
         """Release what ``bucket`` gathered, except what an issued bucket of ``later`` uses too (a parameter two
         units share): that bucket found it gathered and did not gather it, so it takes it over."""
-        with self.coordinator.lock:
+        with self.lock:
             for param in bucket.gathered:
                 taker = next((b for b in later if b.issued and any(p is param for u in b.units for p in u.params)),
                              None)
                 if taker is not None:
                     taker.gathered.append(param)
                     continue
-                self.coordinator.inflight.pop(param, None)
+                self.gatherer.inflight.pop(param, None)
                 self.stats.gathered_numel -= param.ds_numel
-                _hold(param, -1)
-                self.coordinator.residency.release(param)  # [Note: residency]
+                self.residency.unhold(param)
+                self.residency.release(param)  # [Note: residency]
         bucket.gathered = []
         bucket.issued = False
