@@ -165,11 +165,12 @@ def test_a_leaf_container_is_gathered_by_the_getter_not_prefetched():
     for step in range(3):
         mse_loss(engine(batch(step, torch.distributed.get_rank()))).backward()  # a user backward, as upstream's
     records = [(p["kind"], p["allgather_calls"], p["allgather_numel"], p["demand_numel"]) for p in passes(engine)]
-    # Forward 0: final prefetched (272); the branches (544) through the getter, outside the coordinator's counts.
-    # Backward 0: the root's fetch now covers its external branches (544); final was kept. From step 1 the root's
-    # own fetch, the pass's first, gathers them as its external parameters (on demand: nothing runs before the
-    # root to prefetch them, as upstream), and the backward finds the whole model (816 < one bucket) kept.
-    assert records == [("forward", 1, 272, 0), ("backward", 1, 544, 0)] + [("forward", 2, 816, 544),
+    # Forward 0: final prefetched (272); the branches (544) through the getter, one all-gather per parameter (4),
+    # counted as demand ([Note: residency]). Backward 0: the root's fetch now covers its external branches (544);
+    # final was kept. From step 1 the root's own fetch, the pass's first, gathers them as its external parameters
+    # (on demand: nothing runs before the root to prefetch them, as upstream), and the backward finds the whole
+    # model (816 < one bucket) kept.
+    assert records == [("forward", 5, 816, 544), ("backward", 1, 544, 0)] + [("forward", 2, 816, 544),
                                                                               ("backward", 0, 0, 0)] * 2
     assert set(model._external_params.values()) == set(model.branches.parameters())  # both weights and biases
     assert deepspeed_zero3.get_zero3_stats(engine)["live_numel"] == 0

@@ -7,14 +7,17 @@ parameters, bucket 20,000) capped at half: an eval forward keeps for the next th
 inp + 2 blocks + the third up = 83,904 (test_nograd_keeping.py).
 """
 
+import pytest
 import torch
 
 import deepspeed_zero3
 from deepspeed_zero3.testing.engines import batch, mse_loss, training_engine, zero3_config
-from deepspeed_zero3.testing.models import model_a, model_b
+from deepspeed_zero3.testing.instrument import GatherMeter
+from deepspeed_zero3.testing.models import ReadsAhead, model_a, model_b
 
 DEFAULT = 1_000_000_000
-NOTHING = {"reuse": 0, "for_backward": 0, "for_next_eval": 0, "stream": 0, "in_use": 0, "held": 0, "ahead": 0}
+NOTHING = {"reuse": 0, "for_backward": 0, "for_next_eval": 0, "stream": 0, "getter": 0, "in_use": 0, "held": 0,
+           "ahead": 0}
 
 
 def live(engine):
@@ -69,4 +72,48 @@ def test_a_weight_streams_buckets_are_held_for_the_stream():
     assert names == ["blocks.0.down.weight", "blocks.0.down.bias"]
     assert live_numel == 0 and by_reason == dict(NOTHING, stream=16_448 + 16_640)
     assert live(engine) == NOTHING  # the stream ended: nothing held
+    engine.destroy()
+
+
+class ParentReadsChild(torch.nn.Module):
+    """The root reads ``b``'s parameters directly and never runs ``b``: every read of them is the getter's."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(16, 16)
+        self.b = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.a(x) @ self.b.weight.t() + self.b.bias
+
+
+@pytest.mark.parametrize("bucket", [0, 300])
+@pytest.mark.parametrize("make", [ParentReadsChild, ReadsAhead], ids=["parent_reads_child", "reads_ahead"])
+def test_every_all_gather_is_counted_first_pass_included(make, bucket):
+    """An all-gather count at deepspeed.comm (the meter upstream's figures use) equals get_zero3_stats', pass by
+    pass from the first: training steps, an eval forward, another step."""
+    torch.manual_seed(0)
+    model = make()
+    engine = training_engine(model, zero3_config(bucket=bucket, reuse=0))
+    rank = torch.distributed.get_rank()
+    counted = []
+    with GatherMeter(model) as meter:
+        for step in range(4):
+            before = meter.phases["other"].allgather_calls
+            if step == 2:
+                with torch.no_grad():
+                    engine(batch(100, rank))
+            else:
+                train(engine, step)
+            counted.append(meter.phases["other"].allgather_calls - before)
+    stats = deepspeed_zero3.get_zero3_stats(engine)
+    by_step, index = [], 0
+    for step in range(4):
+        kinds = ["eval_forward"] if step == 2 else ["forward", "backward"]
+        records = stats["passes"][index:index + len(kinds)]
+        assert [p["kind"] for p in records] == kinds
+        by_step.append(sum(p["allgather_calls"] for p in records))
+        index += len(kinds)
+    assert stats["outside_pass"]["allgather_calls"] == 0
+    assert by_step == counted
     engine.destroy()

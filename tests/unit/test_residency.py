@@ -145,7 +145,7 @@ def test_numel_by_reason_splits_the_live_numel():
     setattr(held, HELD_MARK_ATTR, 1)
     residency.park(zparam(9, 1000), Reason.REUSE)  # parked, not gathered: not live, so in no key
     numel = residency.numel_by_reason()
-    assert numel == {"reuse": 10, "for_backward": 0, "for_next_eval": 50, "stream": 0, "in_use": 40, "held": 50,
+    assert numel == {"reuse": 10, "for_backward": 0, "for_next_eval": 50, "stream": 0, "getter": 0, "in_use": 40, "held": 50,
                      "ahead": 60}
     assert sum(numel.values()) == residency.numel
 

@@ -141,7 +141,7 @@ class HookRouter:
             # Covered by the caller from now on, not by the module that returned it.
             if id(param) in getattr(module, "_external_params", {}):
                 unregister_external_parameter(module, param)
-            param.all_gather()
+            self.coordinator.gather_read(param)
 
     # ---------------------------------------------------------------- backward
 

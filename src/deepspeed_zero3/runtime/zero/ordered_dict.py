@@ -61,7 +61,7 @@ class ZeROOrderedDict(OrderedDict):
             if fallback is None:
                 if FWD_MODULE_STACK:
                     register_external_parameter(FWD_MODULE_STACK[-1], param)
-                param.all_gather()
+                _gather_read(self._parent_module, param)
             elif capabilities.is_dynamo_guard_evaluation():
                 # A guard reads identity and metadata only; gathering would hold a full buffer for nothing.
                 fallback.record_guard_suppressed_param(param)
@@ -102,16 +102,33 @@ def _gathered_ahead_unclaimed(param) -> bool:
     return not param.ds_persist and releasable(param)
 
 
+def _coordinator_for(module, param):
+    """The coordinator managing ``module`` or, for a child of a z3 leaf module (which has no hooks of its own),
+    that leaf; None if no deepspeed-zero3 engine manages either."""
+    owner = module if REGISTRY_ATTR in module.__dict__ else getattr(param, "ds_z3_leaf_module", None)
+    registry = find_registry(owner) if owner is not None else None
+    return registry.coordinator if registry is not None else None
+
+
+def _gather_read(module, param) -> None:
+    """Gather a partitioned ``param`` that ``module``'s dict hands out, counted by its coordinator ([Note:
+    residency]); with none, as upstream does."""
+    coordinator = _coordinator_for(module, param)
+    if coordinator is not None:
+        coordinator.gather_read(param)
+    else:
+        param.all_gather()
+
+
 def _complete_gather(module, param) -> None:
     """Complete ``param``'s gather in flight ([Note: a parameter read while in flight]), found from its module or,
     for a child of a z3 leaf module (which has no hooks of its own), from that leaf."""
-    owner = module if REGISTRY_ATTR in module.__dict__ else getattr(param, "ds_z3_leaf_module", None)
-    registry = find_registry(owner) if owner is not None else None
-    if registry is None:
+    coordinator = _coordinator_for(module, param)
+    if coordinator is None:
         raise RuntimeError(f"deepspeed-zero3: parameter ds_id={param.ds_id} shape={tuple(param.ds_shape)} of "
                            f"{type(module).__name__} is INFLIGHT, and no deepspeed-zero3 engine manages that module "
                            "or a z3 leaf module above it to complete the gather")
-    registry.coordinator.complete_gather(param)
+    coordinator.complete_gather(param)
 
 
 def _announce_getter_gather(key, param) -> None:

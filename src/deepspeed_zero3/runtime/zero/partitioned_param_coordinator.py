@@ -385,6 +385,21 @@ class PartitionedParameterCoordinator:
 
     @eager_only  # [Note: what Dynamo may trace]
     @torch.no_grad()
+    def gather_read(self, param: Parameter) -> None:
+        """Gather ``param`` for a read outside its module's fetch (the getter, a returned parameter) with upstream's
+        call, ``param.all_gather()``, counted in the running pass and recorded ([Note: residency])."""
+        with self.lock:
+            if param.ds_status != ZeroParamStatus.NOT_AVAILABLE:
+                param.all_gather()  # gathers nothing: upstream's call, kept for what it does besides
+                return
+            param.all_gather()
+            self.stats.on_allgather(param.ds_numel, prefetch=False)
+            if self.running is not None:
+                self.running.gathered += 1
+            self.residency.add_read(param)
+
+    @eager_only  # [Note: what Dynamo may trace]
+    @torch.no_grad()
     def complete_gather(self, param: Parameter) -> None:
         """Finish the prefetch of ``param`` for a read outside its module's fetch ([Note: a parameter read while
         in flight], ordered_dict.py)."""

@@ -11,6 +11,8 @@ One ``Residency`` per coordinator answers "why is this parameter gathered right 
   passes]). Parking a parked parameter again keeps its place, so the NVMe swap room frees in
   the order parameters were parked, as before this object existed.
 * Persistent parameters are never recorded: they stay gathered for good and count toward no cap.
+* ``add_read``: a parameter gathered outside any module's fetch, by the getter or for a returned
+  parameter (reason GETTER): counted in ``numel`` like any other, so every boundary releases it.
 * ``hold``/``unhold``: a weight stream's buckets (reason STREAM, [Note: streaming weights]). Held
   parameters are the stream's: marked as ``GatheredParameters`` marks its own (so no pass releases
   them and upstream refuses an overlapping context), outside ``numel`` (the stream has its own
@@ -33,9 +35,9 @@ One ``Residency`` per coordinator answers "why is this parameter gathered right 
   Every other gathered parameter is released. A pass that ends aborted crosses the last row. A
   silent pass ([Note: silent passes]) crosses none.
 * ``numel_by_reason()`` splits the live numel by why each parameter is gathered: the parked
-  reasons and ``stream``, then, read from upstream's records at that moment, ``in_use`` (a module's
-  fetch holds it), ``held`` (a ``GatheredParameters`` holds it) and ``ahead`` (gathered for a later
-  module of the running pass). Its values but ``stream`` add up to ``numel``; it is
+  reasons, ``stream`` and ``getter``, then, read from upstream's records at that moment, ``in_use``
+  (a module's fetch holds it), ``held`` (a ``GatheredParameters`` holds it) and ``ahead`` (gathered
+  for a later module of the running pass). Its values but ``stream`` add up to ``numel``; it is
   ``get_zero3_stats``' ``live_by_reason``.
 * One predicate says whether a gathered parameter may be released, ``releasable`` (no module uses
   it, no ``GatheredParameters`` holds it), and one path releases it, ``Residency.release``: held,
@@ -100,6 +102,9 @@ class Reason(enum.Enum):
     # A weight stream's buckets while its consumer reads them: at most two buckets and the largest unit
     # ([Note: streaming weights]); outside live_numel.
     STREAM = "stream"
+    # Read outside its module's fetch (the getter, a returned parameter): one parameter, until the reading
+    # module's release.
+    GETTER = "getter"
 
 
 class Boundary(enum.Enum):
@@ -160,6 +165,7 @@ class Residency:
         self._gathered: Dict[Parameter, None] = {}  # an ordered set, gather order
         self._parked: Dict[Parameter, Reason] = {}  # first-park order
         self._streamed: Dict[Parameter, int] = {}  # held by weight streams (how many), first-hold order
+        self._read: Dict[Parameter, None] = {}  # gathered by a read outside a fetch (an ordered set)
         self.numel = 0
 
     def add(self, params: Iterable[Parameter]) -> None:
@@ -168,6 +174,12 @@ class Residency:
             if not param.ds_persist and param not in self._gathered:
                 self._gathered[param] = None
                 self._changed(param.ds_numel)
+
+    def add_read(self, param: Parameter) -> None:
+        """``param`` was just gathered for a read outside any module's fetch (reason GETTER)."""
+        self.add((param, ))
+        if param in self._gathered:
+            self._read[param] = None
 
     def park(self, param: Parameter, reason: Reason) -> None:
         """``param`` stays gathered for ``reason`` though no module uses it now (FOR_NEXT_EVAL is sticky)."""
@@ -209,6 +221,7 @@ class Residency:
     def forget(self, param: Parameter) -> None:
         """``param`` is partitioned (or about to be): out of both records."""
         self._parked.pop(param, None)
+        self._read.pop(param, None)
         if param in self._gathered:
             del self._gathered[param]
             self._changed(-param.ds_numel)
@@ -270,6 +283,8 @@ class Residency:
                 why = self._parked[param].value
             elif held_by_gathered_parameters(param):
                 why = "held"
+            elif param in self._read:
+                why = Reason.GETTER.value
             else:
                 why = "ahead"
             numel[why] += param.ds_numel
