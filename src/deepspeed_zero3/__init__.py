@@ -8,7 +8,7 @@ __version__ = "0.1.0"
 
 __all__ = ["__version__", "get_zero3_stats", "reset_zero3_stats", "abandon_step", "overlay_status",
            "iter_gathered_parameters", "WeightStream", "TensorMeta", "StreamStats",
-           "save_16bit_model", "consolidated_16bit_state_dict"]
+           "save_16bit_model", "consolidated_16bit_state_dict", "RanksInDifferentPasses"]
 
 
 def __getattr__(name):
@@ -28,6 +28,9 @@ def __getattr__(name):
     if name in ("save_16bit_model", "consolidated_16bit_state_dict"):
         from deepspeed_zero3 import save
         return getattr(save, name)
+    if name == "RanksInDifferentPasses":
+        from deepspeed_zero3.runtime.zero.pass_agreement import RanksInDifferentPasses
+        return RanksInDifferentPasses
     if name == "overlay_status":
         from deepspeed_zero3.activation import overlay_status
         return overlay_status

@@ -165,9 +165,15 @@ def rank_agreement_calls_per_pass(engine, passes):
     return made
 
 
-def test_default_check_costs_one_small_collective_per_backward_and_per_batch_of_passes():
-    """The always-on check adds exactly one all_gather of 3 integers per backward pass, and one per
-    MAX_PENDING_PASSES passes without a backward: none in an eval forward or a generated token of its own."""
+@pytest.mark.parametrize("agreement", ["1", "0"])
+def test_default_check_costs_one_small_collective_per_backward_and_per_batch_of_passes(agreement, monkeypatch):
+    """The always-on order check adds exactly one all_gather of 3 integers per backward pass, and one per
+    MAX_PENDING_PASSES passes without a backward. The pass agreement ([Note: ranks in different passes]) adds one
+    more before each pass that gathers: here every pass gathers (bucket 0, reuse 0), so a training step makes 3
+    (its forward's and its backward's agreement, then the order check) and every no-grad forward 1.
+    DEEPSPEED_ZERO3_PASS_AGREEMENT=0 leaves the order check alone: 1 per step and none in a no-grad forward."""
+    monkeypatch.setenv("DEEPSPEED_ZERO3_PASS_AGREEMENT", agreement)
+    per_pass = 1 if agreement == "1" else 0
     rank = torch.distributed.get_rank()
     torch.manual_seed(0)
     engine = training_engine(RankDependent(), zero3_config(bucket=0, reuse=0))
@@ -178,18 +184,20 @@ def test_default_check_costs_one_small_collective_per_backward_and_per_batch_of_
             engine(batch(100 + step, rank))
 
     # A training step and an eval forward: the eval forward's order is compared at the next backward.
+    step = [3] * (2 * per_pass + 1)
     assert rank_agreement_calls_per_pass(engine, [
         lambda: train_step(engine, batch(1, rank)),
         lambda: no_grad_forward(0),
         lambda: train_step(engine, batch(2, rank)),
-    ]) == [[3], [], [3]]
-    # A generation loop of 2 * MAX_PENDING_PASSES + 5 tokens: one check per MAX_PENDING_PASSES tokens.
+    ]) == [step, [3] * per_pass, step]
+    # A generation loop of 2 * MAX_PENDING_PASSES + 5 tokens: one order check per MAX_PENDING_PASSES tokens.
     tokens = 2 * MAX_PENDING_PASSES + 5
     made = rank_agreement_calls_per_pass(engine, [lambda step=step: no_grad_forward(step) for step in range(tokens)])
-    assert [index for index, calls in enumerate(made) if calls] == [MAX_PENDING_PASSES - 1, 2 * MAX_PENDING_PASSES - 1]
-    assert sum(made, []) == [3, 3]
+    checked = [MAX_PENDING_PASSES - 1, 2 * MAX_PENDING_PASSES - 1]
+    assert [len(calls) for calls in made] == [per_pass + (index in checked) for index in range(tokens)]
+    assert sum(made, []) == [3] * (tokens * per_pass + 2)
     # The 5 tokens left over are compared with the next training step's orders, in its one check.
-    assert rank_agreement_calls_per_pass(engine, [lambda: train_step(engine, batch(3, rank))]) == [[3]]
+    assert rank_agreement_calls_per_pass(engine, [lambda: train_step(engine, batch(3, rank))]) == [step]
     engine.destroy()
 
 
@@ -223,7 +231,10 @@ def test_no_grad_forward_on_one_rank_under_gathered_parameters():
     assert [p["kind"] for p in shared] == ["forward", "backward", "eval_forward"] * 3
     assert [p["trace_records"] for p in shared] == [1, 1, 1] + [0] * 6
     assert all(p["demand_numel"] == 0 for p in shared[3:]), shared
-    assert checks == [3] * 3  # the order check after each backward only; eval forwards join the next one
+    # Per step: the forward's and the backward's pass agreements, the order check after the backward (eval forwards
+    # join the next one), the eval forward's agreement ([Note: ranks in different passes]); the solo forward, which
+    # gathers nothing, none. (Before the pass agreement: [3] * 3, the order checks alone.)
+    assert checks == [3] * 12
     assert deepspeed_zero3.get_zero3_stats(engine)["live_numel"] == 0
     engine.destroy()
 

@@ -66,3 +66,32 @@ def test_message_when_one_rank_ran_fewer_modules():
 @pytest.mark.parametrize("raw, expected", [("1", True), ("0", False), ("", False), ("on", True)])
 def test_check_ranks_env(raw, expected):
     assert check_ranks_from_env({CHECK_RANKS_ENV: raw}) is expected
+
+
+@pytest.mark.parametrize("raw, expected", [("1", True), ("", True), ("0", False), ("off", False), ("Yes", True)])
+def test_pass_agreement_env(raw, expected):
+    from deepspeed_zero3.runtime.zero.pass_agreement import PASS_AGREEMENT_ENV, pass_agreement_from_env
+
+    assert pass_agreement_from_env({PASS_AGREEMENT_ENV: raw}) is expected
+    assert pass_agreement_from_env({}) is True  # on by default
+
+
+def test_pass_agreement_env_names_a_bad_value():
+    from deepspeed_zero3.runtime.zero.pass_agreement import pass_agreement_from_env
+
+    with pytest.raises(ValueError, match=r"DEEPSPEED_ZERO3_PASS_AGREEMENT='2' is not allowed: use 1 \(default\)"):
+        pass_agreement_from_env({"DEEPSPEED_ZERO3_PASS_AGREEMENT": "2"})
+
+
+def test_pass_agreement_names_every_ranks_pass():
+    from deepspeed_zero3.runtime.zero.pass_agreement import PassAgreement
+    from deepspeed_zero3.runtime.zero.passes import PassKind
+    from deepspeed_zero3.runtime.zero.rank_agreement import AGREEMENT_TAG
+
+    kinds = list(PassKind)
+    seen = [[AGREEMENT_TAG, kinds.index(PassKind.FORWARD), 8], [AGREEMENT_TAG, kinds.index(PassKind.EVAL_FORWARD), 8],
+            [3, 40, 12345]]
+    message = PassAgreement().describe(PassKind.FORWARD, 8, seen, rank=0)
+    assert ("rank 0: forward pass, gathering pass 8; rank 1: eval_forward pass, gathering pass 8; rank 2: ending a "
+            "pass (comparing module orders)") in message
+    assert "synced_gpus=True" in message and "abandon_step" in message

@@ -9,6 +9,9 @@ Measured by the same outside instrument for both runtimes (``GatherMeter``: all-
 ``deepspeed.comm``, peak = the non-persistent numel AVAILABLE after each module's fetch), over the measured
 rounds' ``generate()`` calls only: gathered numel and all-gathers per token, peak, and the median over rounds of
 wall and CPU seconds per token on rank 0; the generated tokens of every rank, hashed, must be equal.
+
+A third launch runs ours with ``DEEPSPEED_ZERO3_PASS_AGREEMENT=0``, in the same run: what the ranks' agreement on
+each gathering pass ([Note: ranks in different passes]) costs per token, against the same runtime without it.
 """
 
 import argparse
@@ -27,6 +30,9 @@ SETTINGS = {  # name -> (live cap as a fraction of the model or None, reuse dist
     "reuse 0": (None, 0),
 }
 RUNTIMES = ("upstream", "ours")
+# Launch name -> (runtime, extra environment): the two runtimes, then ours without the pass agreement.
+LAUNCHES = {"upstream": ("upstream", {}), "ours": ("ours", {}),
+            "ours, pass check off": ("ours", {"DEEPSPEED_ZERO3_PASS_AGREEMENT": "0"})}
 MODEL_NUMEL = 853_120
 
 
@@ -66,6 +72,7 @@ def _measure(setting: str, args, rank: int) -> dict:
     model, engine = _engine(setting)
     tokens_hash = hashlib.sha256()
     wall, cpu = [], []
+    pass_checks = 0  # ours: the ranks' agreements on a pass in the measured generate() calls
     try:
         with GatherMeter(model) as meter:
             for round_ in range(args.warmup + args.rounds):
@@ -77,6 +84,7 @@ def _measure(setting: str, args, rank: int) -> dict:
                     engine.step()
                 prompt, _ = token_batch(500 + round_, rank, batch_size=2, seq=8, vocab=768)
                 torch.distributed.barrier()
+                checks_before = _pass_checks(engine)
                 start_wall, start_cpu = time.perf_counter(), time.thread_time()
                 with meter.phase("generate" if measured else "warmup"), torch.no_grad():
                     out = model.generate(prompt, max_new_tokens=args.tokens, min_new_tokens=args.tokens,
@@ -85,6 +93,7 @@ def _measure(setting: str, args, rank: int) -> dict:
                 if measured:
                     wall.append((time.perf_counter() - start_wall) / args.tokens)
                     cpu.append((time.thread_time() - start_cpu) / args.tokens)
+                    pass_checks += _pass_checks(engine) - checks_before
                 everyone = [None] * torch.distributed.get_world_size()
                 torch.distributed.all_gather_object(everyone, out.tolist())
                 tokens_hash.update(json.dumps(everyone).encode())
@@ -100,7 +109,19 @@ def _measure(setting: str, args, rank: int) -> dict:
         "cpu_seconds_per_token": statistics.median(cpu),
         "seconds_per_token_rounds": wall,
         "tokens_sha256": tokens_hash.hexdigest(),
+        "pass_checks_per_token": pass_checks / generated,
     }
+
+
+def _pass_checks(engine) -> int:
+    """Pass checks so far in eval forwards (ours; 0 under upstream's runtime, which has no such counter)."""
+    import deepspeed_zero3
+
+    try:
+        totals = deepspeed_zero3.get_zero3_stats(engine)["totals"]
+    except ValueError:
+        return 0
+    return totals.get("eval_forward", {}).get("pass_checks", 0)
 
 
 def worker(argv) -> None:
@@ -158,6 +179,25 @@ def table(results: dict) -> str:
     return markdown_table(header, rows)
 
 
+def check_table(results: dict) -> str:
+    """Ours with the pass agreement and without, launched in the same run: seconds and pass checks per token."""
+    from deepspeed_zero3.bench.tables import markdown_table
+
+    rows = []
+    for setting in SETTINGS:
+        on, off = (results.get(launch, {}).get("settings", {}).get(setting, {})
+                   for launch in ("ours", "ours, pass check off"))
+        ratio = (f"{on['seconds_per_token'] / off['seconds_per_token']:.2f}"
+                 if "seconds_per_token" in on and "seconds_per_token" in off else "-")
+        same = "yes" if on.get("tokens_sha256") and on.get("tokens_sha256") == off.get("tokens_sha256") else "NO"
+        rows.append([setting, f"{on.get('pass_checks_per_token', float('nan')):.2f}",
+                     f"{off.get('pass_checks_per_token', float('nan')):.2f}",
+                     f"{on.get('seconds_per_token', float('nan')):.4f}", f"{off.get('seconds_per_token', float('nan')):.4f}",
+                     ratio, same])
+    header = ["setting", "pass checks/token, check on", "off", "s/token, check on", "off", "on/off", "tokens equal"]
+    return markdown_table(header, rows)
+
+
 def plot(results: dict, path: Path):
     import matplotlib
     matplotlib.use("Agg")
@@ -195,20 +235,21 @@ def main(args) -> int:
     out = Path(args.out) / "generate"
     (out / "logs").mkdir(parents=True, exist_ok=True)
     results, failures = {}, []
-    for runtime in RUNTIMES:
-        raw = out / f"{runtime}.json"
+    for launch, (runtime, extra) in LAUNCHES.items():
+        stem = launch.replace(", ", "_").replace(" ", "_")
+        raw = out / f"{stem}.json"
         raw.unlink(missing_ok=True)
-        print(f"generate: {runtime} launch, {len(SETTINGS)} settings x {args.warmup + args.rounds} rounds "
-              f"(log {out / 'logs' / (runtime + '.log')})", file=sys.stderr, flush=True)
+        print(f"generate: {launch} launch, {len(SETTINGS)} settings x {args.warmup + args.rounds} rounds "
+              f"(log {out / 'logs' / (stem + '.log')})", file=sys.stderr, flush=True)
         launched = launching.run(
             lambda port: launching.deepspeed_command(2, port, [
                 "--module", "deepspeed_zero3.bench.generate", "--worker", "--out", str(raw), "--tokens",
                 str(args.tokens), "--rounds", str(args.rounds), "--warmup", str(args.warmup)]),
-            launching.runtime_env(runtime, 2), args.timeout, log=out / "logs" / f"{runtime}.log")
+            launching.runtime_env(runtime, 2, **extra), args.timeout, log=out / "logs" / f"{stem}.log")
         if launched.returncode != 0 or not raw.exists():
-            failures.append(f"{runtime} launch: exit {launched.returncode}{' (timed out)' if launched.timed_out else ''}")
-        results[runtime] = json.loads(raw.read_text()) if raw.exists() else {}
-    text = table(results)
+            failures.append(f"{launch} launch: exit {launched.returncode}{' (timed out)' if launched.timed_out else ''}")
+        results[launch] = json.loads(raw.read_text()) if raw.exists() else {}
+    text = table(results) + "\n\n" + check_table(results)
     (out / "generate.md").write_text(text + "\n")
     (out / "generate.json").write_text(json.dumps(results, indent=1))
     try:

@@ -27,7 +27,7 @@ from deepspeed_zero3.runtime.zero.upstream_names import coordinator_debug_rank0 
 import contextlib
 import os
 import threading
-from typing import Iterable, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 from torch.nn import Module, Parameter
@@ -46,6 +46,7 @@ from deepspeed_zero3.runtime.zero.module_params import fetch_params, iter_params
 from deepspeed_zero3.runtime.zero.nograd_keeping import NoGradKeeping
 from deepspeed_zero3.runtime.zero.nvme_swap import (NvmeSwapIns, blocks_gather, on_nvme,
                                                     persistent_partitions_in_memory)
+from deepspeed_zero3.runtime.zero.pass_agreement import PassAgreement, pass_agreement_from_env
 from deepspeed_zero3.runtime.zero.passes import PassKind
 from deepspeed_zero3.runtime.zero.prediction import PassPrediction
 from deepspeed_zero3.runtime.zero.prefetch import PassPrefetcher
@@ -125,6 +126,7 @@ class PartitionedParameterCoordinator:
         self.stats_every = stats_every_from_env(os.environ)
         self.check_ranks = check_ranks_from_env(os.environ)
         self.order_check = PassOrderCheck(data_parallel_group)
+        self.pass_agreement = PassAgreement(data_parallel_group, pass_agreement_from_env(os.environ))
         self.backward_passes = 0
         # Autograd may run backward hooks on its own threads (GPU, multi-output z3 leaf modules).
         self.lock = threading.RLock()
@@ -392,6 +394,7 @@ class PartitionedParameterCoordinator:
             if param.ds_status != ZeroParamStatus.NOT_AVAILABLE:
                 param.all_gather()  # gathers nothing: upstream's call, kept for what it does besides
                 return
+            self._agree_before_gathering((param, ))
             param.all_gather()
             self.stats.on_allgather(param.ds_numel, prefetch=False)
             if self.running is not None:
@@ -506,7 +509,18 @@ class PartitionedParameterCoordinator:
             numel = sum(p.ds_numel for p in params)
         return self.events.event(name, numel)
 
-    def _gather(self, params: Iterable[Parameter], prefetch: bool, forward: bool = True) -> None:
+    def _agree_before_gathering(self, params: Sequence[Parameter]) -> None:
+        """[Note: ranks in different passes]: before the running pass's first all-gather, the ranks agree on it."""
+        running = self.running
+        if running is None or running.agreed or all(p.ds_status != ZeroParamStatus.NOT_AVAILABLE for p in params):
+            return
+        running.agreed = True
+        if self.pass_agreement.applies():
+            running.stats.pass_checks += 1  # counted before it may raise: the exchange is issued either way
+            self.pass_agreement.agree(running.kind)
+
+    def _gather(self, params: Sequence[Parameter], prefetch: bool, forward: bool = True) -> None:
+        self._agree_before_gathering(params)
         timed = None
         if self.events is not None:
             name = self.FORWARD_ALL_GATHER if forward else self.BACKWARD_ALL_GATHER

@@ -35,6 +35,9 @@ AGREEMENT_ADVICE = ("ZeRO-3 needs every rank to run the same modules in the same
 # generation forwards is detected, and one check's cost spread over that many passes.
 MAX_PENDING_PASSES = 32
 _KIND_CODES = {kind: -10 - index for index, kind in enumerate(PassKind)}
+# The first of the three integers a pass agreement exchanges ([Note: ranks in different passes]): an order check's
+# is a pass count (>= 0), so a rank in either exchange can tell that another rank is in the other one.
+AGREEMENT_TAG = -7_000_001
 _KINDS_BY_CODE = {code: kind for kind, code in _KIND_CODES.items()}
 
 
@@ -131,6 +134,15 @@ class PassOrderCheck:
         fingerprints = exchange([len(pending), len(flat), digest], self.group)
         if all(entry == fingerprints[0] for entry in fingerprints):
             return
+        if any(entry[0] == AGREEMENT_TAG for entry in fingerprints):
+            # Another rank is starting a pass's first all-gather: no second exchange, it would not be paired.
+            ranks = group_ranks(self.group, len(fingerprints))
+            starting = [str(rank) for rank, entry in zip(ranks, fingerprints) if entry[0] == AGREEMENT_TAG]
+            raise RuntimeError(f"deepspeed-zero3: ranks are in different passes: rank {dist.get_rank()} is ending a "
+                               f"pass and comparing module orders while rank(s) {', '.join(starting)} began the "
+                               f"next pass's first all-gather ([Note: ranks in different passes]). A rank left a "
+                               f"loop of passes (generate() stopping at its own end-of-sequence token) before the "
+                               f"others: pass synced_gpus=True to generate(), or stop every rank at the same token.")
         orders = exchange_ragged(flat, self.group)
         if any(order != orders[0] for order in orders):  # else a fingerprint collision: the orders agree
             raise RuntimeError(self.describe(pending, orders))

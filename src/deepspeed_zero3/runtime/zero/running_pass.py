@@ -46,6 +46,8 @@ class RunningPass:
         # silent passes]). Its own counts, not the stats', which a user may reset in the middle of a pass.
         self.gathered = 0
         self.released = 0
+        # Whether the ranks were asked to agree on this pass yet ([Note: ranks in different passes]).
+        self.agreed = False
         # Why a parameter released in this pass stays gathered ([Note: a keep rule per pass]); the coordinator
         # sets it as the pass begins and whenever its replayed trace switches or is left.
         self.keep_rule = None

@@ -29,6 +29,9 @@ class PassStats:
     swap_in_ahead: int = 0  # read from NVMe ahead of their gather, asynchronously
     swap_in_demand: int = 0  # read synchronously by the gather of the module that needed them
     swap_in_unused: int = 0  # read ahead and given back unused at the end of the pass
+    # 1 when the ranks compared this pass before its first all-gather ([Note: ranks in different passes]): one
+    # collective of 3 integers, not counted in allgather_calls
+    pass_checks: int = 0
 
     def as_dict(self):
         return asdict(self)
@@ -48,6 +51,7 @@ class KindTotals:
     swap_in_ahead: int = 0
     swap_in_demand: int = 0
     swap_in_unused: int = 0
+    pass_checks: int = 0
 
     def add(self, stats: PassStats):
         self.passes += 1
@@ -62,6 +66,7 @@ class KindTotals:
         self.swap_in_ahead += stats.swap_in_ahead
         self.swap_in_demand += stats.swap_in_demand
         self.swap_in_unused += stats.swap_in_unused
+        self.pass_checks += stats.pass_checks
 
 
 @dataclass
