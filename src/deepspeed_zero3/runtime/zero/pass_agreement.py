@@ -25,7 +25,8 @@ from typing import List
 from deepspeed import comm as dist
 
 from deepspeed_zero3.runtime.zero.passes import PassKind
-from deepspeed_zero3.runtime.zero.rank_agreement import AGREEMENT_TAG, distributed, exchange, group_ranks
+from deepspeed_zero3.runtime.zero.rank_agreement import (AGREEMENT_TAG, distributed, exchange, group_ranks,
+                                                         switch_from_env)
 
 PASS_AGREEMENT_ENV = "DEEPSPEED_ZERO3_PASS_AGREEMENT"
 _KIND_CODES = {kind: index for index, kind in enumerate(PassKind)}
@@ -36,13 +37,9 @@ ADVICE = ("A rank left a loop of passes (generate() stopping at its own end-of-s
 
 
 def pass_agreement_from_env(environ) -> bool:
-    raw = environ.get(PASS_AGREEMENT_ENV, "1").strip().lower()
-    if raw in ("1", "", "true", "on", "yes"):
-        return True
-    if raw in ("0", "false", "off", "no"):
-        return False
-    raise ValueError(f"{PASS_AGREEMENT_ENV}={raw!r} is not allowed: use 1 (default) to have the ranks agree on the "
-                     f"pass before its first all-gather, or 0 to skip that check")
+    return switch_from_env(environ, PASS_AGREEMENT_ENV, True,
+                           "use 1 (default) to have the ranks agree on the pass before its first all-gather, or 0 "
+                           "to skip that check")
 
 
 class RanksInDifferentPasses(RuntimeError):

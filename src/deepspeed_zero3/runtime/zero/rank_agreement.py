@@ -41,15 +41,23 @@ AGREEMENT_TAG = -7_000_001
 _KINDS_BY_CODE = {code: kind for kind, code in _KIND_CODES.items()}
 
 
-def check_ranks_from_env(environ) -> bool:
-    raw = environ.get(CHECK_RANKS_ENV, "0").strip().lower()
-    if raw in ("0", "", "false", "off", "no"):
-        return False
+def switch_from_env(environ, name: str, default: bool, meaning: str) -> bool:
+    """One of our on/off environment variables: 1, true, on, yes or 0, false, off, no (any case; unset or empty:
+    ``default``). Anything else is a ValueError naming the variable, the value and ``meaning`` (what is allowed)."""
+    raw = environ.get(name, "").strip().lower()
+    if raw == "":
+        return default
     if raw in ("1", "true", "on", "yes"):
         return True
-    raise ValueError(f"{CHECK_RANKS_ENV}={raw!r} is not allowed: use 1 to check the module order across ranks "
-                     f"before every fetch, or 0 (default) to check it after every backward pass and every "
-                     f"{MAX_PENDING_PASSES} passes without one")
+    if raw in ("0", "false", "off", "no"):
+        return False
+    raise ValueError(f"{name}={raw!r} is not allowed: {meaning}")
+
+
+def check_ranks_from_env(environ) -> bool:
+    return switch_from_env(environ, CHECK_RANKS_ENV, False,
+                           f"use 1 to check the module order across ranks before every fetch, or 0 (default) to "
+                           f"check it after every backward pass and every {MAX_PENDING_PASSES} passes without one")
 
 
 def distributed(group=None) -> bool:
