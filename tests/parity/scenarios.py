@@ -39,7 +39,7 @@ from deepspeed_zero3.testing.engines import (batch, inference_engine, mse_loss, 
 from deepspeed_zero3.testing.models import LeafBranches, ReadsAhead, ResidualMLPBlock, TinyGPT, model_b
 from scenarios_differences import single_linear_root_memory_efficient, z3_leaf_root_no_grad_inputs
 from scenarios_firstpass import capped_default_reuse
-from scenarios_generation import (eval_then_load_weights_into_an_inference_engine, generate_default_keys, generate_half_cap, generate_then_load_checkpoint,
+from scenarios_generation import (eval_then_load_weights_into_an_inference_engine, generate_default_keys, generate_half_cap, generate_ranks_stop_apart_default_keys, generate_then_load_checkpoint,
                                   generate_then_modify_in_gathered_parameters, generate_then_offload_states,
                                   generate_then_optimizer_step, generate_then_rebuild_engine,
                                   generate_with_a_second_engine_stepping)
@@ -467,6 +467,7 @@ SCENARIOS = {
         capped_default_reuse,
         generate_default_keys,
         generate_half_cap,
+        generate_ranks_stop_apart_default_keys,
         generate_then_optimizer_step,
         generate_then_load_checkpoint,
         generate_then_modify_in_gathered_parameters,

@@ -81,6 +81,27 @@ def generate_half_cap(run, args):
     run.hash_params(model)
 
 
+def generate_ranks_stop_apart_default_keys(run, args):
+    """``synced_gpus=False`` with rank 0 stopping after 6 new tokens and rank 1 after 18, then a training step. At
+    DeepSpeed's defaults the first token gathers the model and the later ones gather nothing, so both runtimes go on
+    ([Note: ranks in different passes]: ours exchanges nothing for a pass that gathers nothing)."""
+    model, engine = _engine(run, 33, **DEFAULT_KEYS)
+    for step in range(2):
+        _train(run, engine, step)
+    new = 6 if _rank() == 0 else 18
+    prompt, _ = token_batch(300, _rank(), batch_size=2, seq=5)
+    with torch.no_grad():
+        out = model.generate(prompt, max_new_tokens=new, min_new_tokens=new, do_sample=False, synced_gpus=False,
+                             pad_token_id=0)
+    tokens = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(tokens, out.tolist())
+    run.extra.setdefault("same_tokens", []).append(tokens)
+    run.loss(float(out.sum()))
+    for step in range(2, 4):
+        _train(run, engine, step)
+    run.hash_params(model)
+
+
 def generate_then_optimizer_step(run, args):
     """A step through ``engine.optimizer.step()`` called directly between two generate() calls."""
     model, engine = _engine(run, 33, **DEFAULT_KEYS)
