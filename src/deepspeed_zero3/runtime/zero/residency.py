@@ -166,7 +166,6 @@ class Residency:
         self._parked: Dict[Parameter, Reason] = {}  # first-park order
         self._streamed: Dict[Parameter, int] = {}  # held by weight streams (how many), first-hold order
         self._read: Dict[Parameter, None] = {}  # gathered by a read outside a fetch (an ordered set)
-        self.numel = 0
 
     def add(self, params: Iterable[Parameter]) -> None:
         """``params`` were just gathered (or submitted): record the non-persistent ones not recorded yet."""
@@ -290,6 +289,10 @@ class Residency:
             numel[why] += param.ds_numel
         return numel
 
+    @property
+    def numel(self) -> int:
+        """The gathered set's numel, ``live_numel``: one count, kept by the stats with its peaks."""
+        return self._stats.live_numel
+
     def _changed(self, delta: int) -> None:
-        self.numel += delta
         self._stats.on_live_change(delta)
