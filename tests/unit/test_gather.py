@@ -88,3 +88,13 @@ def test_submit_quantizes_plain_parameters_under_quantized_weights():
     gatherer = Gatherer(None, InflightParamRegistry(), quantize_weights=True)
     gatherer.submit([gatherable(0, calls=calls)])
     assert calls == [([0], True)]
+
+
+def test_submit_calls_before_once_ahead_of_the_first_collective_and_only_if_there_is_one():
+    calls, seen = [], []
+    gatherer = Gatherer(None, InflightParamRegistry())
+    gatherer.submit([gatherable(0, status=AVAILABLE, calls=calls)], before=lambda: seen.append(len(calls)))
+    assert seen == []  # nothing to gather: no collective, no call
+    gatherer.submit([gatherable(1, calls=calls), gatherable(2, quantized=True, calls=calls)],
+                    before=lambda: seen.append(len(calls)))
+    assert seen == [0] and len(calls) == 2  # once, before either of the two collectives

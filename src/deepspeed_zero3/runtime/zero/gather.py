@@ -79,8 +79,9 @@ class Gatherer:
         self.quantize_weights = quantize_weights
         self.queued_events: Deque = collections.deque()
 
-    def submit(self, params: Iterable[Parameter], timed=None) -> List[List[Parameter]]:
+    def submit(self, params: Iterable[Parameter], timed=None, before=None) -> List[List[Parameter]]:
         """Start gathering every NOT_AVAILABLE parameter of ``params``; returns the groups, one per collective.
+        ``before()``, if given, is called once before the first collective, only if there is one.
 
         Groups, in this order: quantized with a secondary partition, quantized without, plain with, plain
         without; within a group, the order of ``params``. ``timed(group)``, if given, is a context manager
@@ -89,6 +90,8 @@ class Gatherer:
         pending = [p for p in params if p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
         if not pending:
             return []  # the common case: everything was prefetched
+        if before is not None:
+            before()
         groups = ([], [], [], [])
         for param in pending:
             groups[(0 if hasattr(param.ds_tensor, "ds_quant_scale") else 2) +

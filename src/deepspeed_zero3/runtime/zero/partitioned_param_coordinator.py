@@ -394,7 +394,7 @@ class PartitionedParameterCoordinator:
             if param.ds_status != ZeroParamStatus.NOT_AVAILABLE:
                 param.all_gather()  # gathers nothing: upstream's call, kept for what it does besides
                 return
-            self._agree_before_gathering((param, ))
+            self._agree_before_gathering()
             param.all_gather()
             self.stats.on_allgather(param.ds_numel, prefetch=False)
             if self.running is not None:
@@ -509,10 +509,11 @@ class PartitionedParameterCoordinator:
             numel = sum(p.ds_numel for p in params)
         return self.events.event(name, numel)
 
-    def _agree_before_gathering(self, params: Sequence[Parameter]) -> None:
-        """[Note: ranks in different passes]: before the running pass's first all-gather, the ranks agree on it."""
+    def _agree_before_gathering(self) -> None:
+        """[Note: ranks in different passes]: called just before an all-gather is issued; before the running pass's
+        first, the ranks agree on the pass."""
         running = self.running
-        if running is None or running.agreed or all(p.ds_status != ZeroParamStatus.NOT_AVAILABLE for p in params):
+        if running is None or running.agreed:
             return
         running.agreed = True
         if self.pass_agreement.applies():
@@ -520,12 +521,11 @@ class PartitionedParameterCoordinator:
             self.pass_agreement.agree(running.kind)
 
     def _gather(self, params: Sequence[Parameter], prefetch: bool, forward: bool = True) -> None:
-        self._agree_before_gathering(params)
         timed = None
         if self.events is not None:
             name = self.FORWARD_ALL_GATHER if forward else self.BACKWARD_ALL_GATHER
             timed = lambda group: self.events.event(name, sum(p.ds_numel for p in group))  # noqa: E731
-        for group in self.gatherer.submit(params, timed=timed):
+        for group in self.gatherer.submit(params, timed=timed, before=self._agree_before_gathering):
             self.stats.on_allgather(sum(p.ds_numel for p in group), prefetch=prefetch)
             if self.running is not None:
                 self.running.gathered += 1
