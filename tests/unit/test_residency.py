@@ -24,9 +24,9 @@ class RecordingGatherer:
             param.ds_status = ZeroParamStatus.AVAILABLE
 
 
-def _residency(gatherer=None):
+def _residency(gatherer=None, counting=None):
     stats = ZeroStats()
-    return Residency(stats, gatherer or RecordingGatherer()), stats
+    return Residency(stats, gatherer or RecordingGatherer(), counting or (lambda: stats.outside_pass)), stats
 
 
 def test_gathered_keeps_gather_order_and_counts_numel_once():
@@ -90,12 +90,15 @@ def test_snapshots_allow_forgetting_while_iterating():
 def test_peak_is_recorded_in_the_running_pass():
     from deepspeed_zero3.runtime.zero.passes import PassKind
 
-    residency, stats = _residency()
+    passes = []
+    residency, stats = _residency(counting=lambda: passes[-1] if passes else stats.outside_pass)
     a, b = zparam(0, 10), zparam(1, 20)
-    running = stats.begin_pass(PassKind.FORWARD)
-    residency.add([a, b])
+    residency.add([a])
+    passes.append(stats.begin_pass(PassKind.FORWARD))
+    residency.add([b])
     residency.forget(a)
-    assert running.peak_live_numel == 30 and residency.numel == 20
+    assert passes[-1].peak_live_numel == 30 and residency.numel == 20
+    assert stats.outside_pass.peak_live_numel == 10
 
 
 def test_reparking_changes_the_reason_except_for_the_next_eval():

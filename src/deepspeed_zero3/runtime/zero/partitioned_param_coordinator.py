@@ -56,7 +56,7 @@ from deepspeed_zero3.runtime.zero.rank_agreement import PassOrderCheck, check_ra
 from deepspeed_zero3.runtime.zero.residency import Boundary, Released, Residency, releasable
 from deepspeed_zero3.runtime.zero.running_pass import RunningPass
 from deepspeed_zero3.runtime.zero.settings import PrefetchSettings
-from deepspeed_zero3.runtime.zero.stats import ZeroStats, format_line, stats_every_from_env
+from deepspeed_zero3.runtime.zero.stats import PassStats, ZeroStats, format_line, stats_every_from_env
 from deepspeed_zero3.runtime.zero.trace import PassProgress, PassTrace, StepOutcome, TraceCache
 
 
@@ -120,7 +120,7 @@ class PartitionedParameterCoordinator:
         # The pass running now, None between passes ([Note: the running pass]).
         self.running: Optional[RunningPass] = None
         # What is gathered, and what of it stays gathered on purpose ([Note: residency]).
-        self.residency = Residency(self.stats, self.gatherer)
+        self.residency = Residency(self.stats, self.gatherer, self._counting)
         self.root_depth = 0
         check_kill_switch(os.environ)
         self.stats_every = stats_every_from_env(os.environ)
@@ -140,6 +140,10 @@ class PartitionedParameterCoordinator:
     @property
     def live_numel(self) -> int:
         return self.residency.numel
+
+    def _counting(self) -> PassStats:
+        """The counters a gather or a peak counts into: the running pass's, else those outside any pass."""
+        return self.running.stats if self.running is not None else self.stats.outside_pass
 
     def running_kind(self) -> Optional[str]:
         """The kind of the pass running now (``"forward"``, ``"eval_forward"``, ``"backward"``), None between
@@ -313,7 +317,7 @@ class PartitionedParameterCoordinator:
             module.ds_recompute_parameters.clear()  # what is still gathered is released with the pass
         if self.events is not None:
             self.events.pass_ended(replayed=running.progress.replaying())
-        self.stats.end_pass(aborted=aborted)
+        self.stats.end_pass(running.stats, aborted=aborted)
         self.running = None
 
     def _make_prefetcher(self, kind: PassKind, trace: Optional[PassTrace]) -> Optional[PassPrefetcher]:
@@ -396,7 +400,7 @@ class PartitionedParameterCoordinator:
                 return
             self._agree_before_gathering()
             param.all_gather()
-            self.stats.on_allgather(param.ds_numel, prefetch=False)
+            self._counting().on_allgather(param.ds_numel, prefetch=False)
             if self.running is not None:
                 self.running.gathered += 1
             self.residency.add_read(param)
@@ -526,7 +530,7 @@ class PartitionedParameterCoordinator:
             name = self.FORWARD_ALL_GATHER if forward else self.BACKWARD_ALL_GATHER
             timed = lambda group: self.events.event(name, sum(p.ds_numel for p in group))  # noqa: E731
         for group in self.gatherer.submit(params, timed=timed, before=self._agree_before_gathering):
-            self.stats.on_allgather(sum(p.ds_numel for p in group), prefetch=prefetch)
+            self._counting().on_allgather(sum(p.ds_numel for p in group), prefetch=prefetch)
             if self.running is not None:
                 self.running.gathered += 1
             self.residency.add(group)

@@ -62,7 +62,7 @@ from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 from deepspeed_zero3.runtime.zero.capabilities import HELD_MARK_ATTR
 from deepspeed_zero3.runtime.zero.gather import Gatherer
 from deepspeed_zero3.runtime.zero.release import release as release_gathered
-from deepspeed_zero3.runtime.zero.stats import ZeroStats
+from deepspeed_zero3.runtime.zero.stats import PassStats, ZeroStats
 
 
 def held_by_gathered_parameters(param: Parameter) -> bool:
@@ -159,8 +159,11 @@ def survives_table() -> List[str]:
 class Residency:
     """[Note: residency]: the gathered parameters of one coordinator, and the parked ones among them."""
 
-    def __init__(self, stats: ZeroStats, gatherer: Gatherer):
+    def __init__(self, stats: ZeroStats, gatherer: Gatherer, counting: Callable[[], PassStats]):
+        """``counting``: the counters a change of the gathered numel is a peak for (the running pass's, or
+        ``stats.outside_pass`` between passes)."""
         self._stats = stats
+        self._counting = counting
         self._gatherer = gatherer
         self._gathered: Dict[Parameter, None] = {}  # an ordered set, gather order
         self._parked: Dict[Parameter, Reason] = {}  # first-park order
@@ -295,4 +298,4 @@ class Residency:
         return self._stats.live_numel
 
     def _changed(self, delta: int) -> None:
-        self._stats.on_live_change(delta)
+        self._stats.on_live_change(delta, self._counting())

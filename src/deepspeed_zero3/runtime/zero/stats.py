@@ -36,6 +36,18 @@ class PassStats:
     def as_dict(self):
         return asdict(self)
 
+    def on_allgather(self, numel: int, prefetch: bool) -> None:
+        self.allgather_calls += 1
+        self.allgather_numel += numel
+        if prefetch:
+            self.prefetch_numel += numel
+        else:
+            self.demand_numel += numel
+
+    def note_live(self, live_numel: int) -> None:
+        if live_numel > self.peak_live_numel:
+            self.peak_live_numel = live_numel
+
 
 @dataclass
 class KindTotals:
@@ -71,60 +83,45 @@ class KindTotals:
 
 @dataclass
 class ZeroStats:
-    """Counters for one parameter-state registry (one managed model)."""
+    """Counters for one parameter-state registry (one managed model). The running pass holds its own
+    ``PassStats`` ([Note: the running pass]); every method that counts into it is given it."""
     history_len: int = 64
     live_numel: int = 0
     passes_started: int = 0
-    current: Optional[PassStats] = None
     history: Deque[PassStats] = field(default_factory=collections.deque)
     totals: Dict[str, KindTotals] = field(default_factory=dict)
-    # gathers that happen outside any pass (GatheredParameters-free paths such as a hook-less fetch)
+    # gathers that happen while no pass runs (a getter read or a fetch between passes)
     outside_pass: PassStats = field(default_factory=lambda: PassStats(kind="outside_pass", index=-1))
 
     def begin_pass(self, kind: PassKind) -> PassStats:
-        self.current = PassStats(kind=kind.value, index=self.passes_started)
+        """A new pass's counters, for the pass to hold."""
+        stats = PassStats(kind=kind.value, index=self.passes_started, peak_live_numel=self.live_numel)
         self.passes_started += 1
-        self.current.peak_live_numel = self.live_numel
-        return self.current
+        return stats
 
-    def end_pass(self, aborted: bool = False) -> Optional[PassStats]:
-        finished = self.current
-        if finished is None:
-            return None
+    def end_pass(self, finished: PassStats, aborted: bool = False) -> PassStats:
         finished.aborted = aborted
         self.history.append(finished)
         while len(self.history) > self.history_len:
             self.history.popleft()
         self.totals.setdefault(finished.kind, KindTotals()).add(finished)
-        self.current = None
         return finished
 
-    def _target(self) -> PassStats:
-        return self.current if self.current is not None else self.outside_pass
-
-    def on_allgather(self, numel: int, prefetch: bool) -> None:
-        target = self._target()
-        target.allgather_calls += 1
-        target.allgather_numel += numel
-        if prefetch:
-            target.prefetch_numel += numel
-        else:
-            target.demand_numel += numel
-
-    def on_live_change(self, delta: int) -> None:
+    def on_live_change(self, delta: int, counting: PassStats) -> None:
+        """The gathered numel moved by ``delta``; ``counting`` (the running pass's counters, or
+        ``outside_pass``) keeps the peak."""
         self.live_numel += delta
-        target = self._target()
-        if self.live_numel > target.peak_live_numel:
-            target.peak_live_numel = self.live_numel
+        counting.note_live(self.live_numel)
 
-    def reset(self) -> None:
+    def reset(self, running: Optional[PassStats] = None) -> None:
+        """Forget the counted passes; ``running`` (the running pass's counters) starts again from now."""
         self.history.clear()
         self.totals.clear()
         self.outside_pass = PassStats(kind="outside_pass", index=-1)
-        if self.current is not None:
+        if running is not None:
             # In place: the running pass holds this object and goes on counting into it.
-            fresh = PassStats(kind=self.current.kind, index=self.current.index, peak_live_numel=self.live_numel)
-            vars(self.current).update(vars(fresh))
+            fresh = PassStats(kind=running.kind, index=running.index, peak_live_numel=self.live_numel)
+            vars(running).update(vars(fresh))
 
     def last(self, kind: str) -> Optional[PassStats]:
         for stats in reversed(self.history):

@@ -20,4 +20,7 @@ def get_zero3_stats(target) -> dict:
 
 def reset_zero3_stats(target) -> None:
     """Forget the counted passes (the live numel stays: it is state, not a counter)."""
-    coordinator_of(target).stats.reset()
+    coordinator = coordinator_of(target)
+    with coordinator.lock:
+        running = coordinator.running
+        coordinator.stats.reset(running.stats if running is not None else None)
