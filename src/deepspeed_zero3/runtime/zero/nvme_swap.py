@@ -38,10 +38,11 @@ def blocks_gather(param: Parameter) -> bool:
 
 
 class NvmeSwapIns:
-    """Reads ahead of the gather walk, and gives back what a pass read and did not use."""
+    """One pass's reads ahead of its gather walk: it gives back what the pass read and did not use. Each pass holds
+    its own ([Note: the running pass]), so no read outlives its pass."""
 
     def __init__(self):
-        # Partitions read ahead in the running pass (an ordered set).
+        # Partitions this pass read ahead (an ordered set).
         self.ahead: Dict[Parameter, None] = {}
 
     def read_ahead(self, uses: Sequence[Tuple[Parameter, int]], start: int, lookahead_numel: int) -> int:
@@ -102,3 +103,10 @@ class NvmeSwapIns:
 def persistent_partitions_in_memory(params: Iterable[Parameter]) -> List[Parameter]:
     """Persistent parameters whose NVMe partition is in a buffer: once gathered they never need it again."""
     return [p for p in params if p.ds_persist and on_nvme(p) and p.ds_tensor.status != PartitionedParamStatus.NOT_AVAILABLE]
+
+
+def free_persistent_buffers(params: Iterable[Parameter]) -> None:
+    """After a fetch: persistent parameters are gathered for good, so their partitions' buffers go back."""
+    persisted = persistent_partitions_in_memory(params)
+    if persisted:
+        persisted[0].nvme_swapper.remove_partition_and_release_buffers(persisted)

@@ -44,8 +44,7 @@ from deepspeed_zero3.runtime.zero.keeping import BackwardKeeping
 from deepspeed_zero3.runtime.zero.leaf_granularity import FastLeafSharding
 from deepspeed_zero3.runtime.zero.module_params import fetch_params, iter_params
 from deepspeed_zero3.runtime.zero.nograd_keeping import NoGradKeeping
-from deepspeed_zero3.runtime.zero.nvme_swap import (NvmeSwapIns, blocks_gather, on_nvme,
-                                                    persistent_partitions_in_memory)
+from deepspeed_zero3.runtime.zero.nvme_swap import NvmeSwapIns, blocks_gather, free_persistent_buffers, on_nvme
 from deepspeed_zero3.runtime.zero.pass_agreement import PassAgreement, pass_agreement_from_env
 from deepspeed_zero3.runtime.zero.passes import PassKind
 from deepspeed_zero3.runtime.zero.prediction import PassPrediction
@@ -109,7 +108,8 @@ class PartitionedParameterCoordinator:
         self.timers = timers
         self.hierarchy = 0  # upstream's attribute; stage 3 sets it
         # NVMe parameter offload: partitions read ahead of the gather walk ([Note: NVMe swap-in ahead]).
-        self.swap_ins: Optional[NvmeSwapIns] = NvmeSwapIns() if prefetch_nvme else None
+        # Each pass holds its own reads ahead (``RunningPass.swap_ins``).
+        self.prefetch_nvme = prefetch_nvme
 
         self.traces = TraceCache(trace_cache_size)
         self.prediction = PassPrediction()
@@ -298,7 +298,7 @@ class PartitionedParameterCoordinator:
     def _begin_pass(self, kind: PassKind, guess: Optional[PassTrace]) -> RunningPass:
         """[Note: the running pass]: the one place a pass's state is created."""
         running = RunningPass(kind, PassProgress(kind, self.traces, guess), self._make_prefetcher(kind, guess),
-                              self.stats.begin_pass(kind))
+                              self.stats.begin_pass(kind), NvmeSwapIns() if self.prefetch_nvme else None)
         running.keep_rule = self._keep_rule(running)
         self.running = running
         return running
@@ -311,8 +311,8 @@ class PartitionedParameterCoordinator:
         if compare and not aborted and running.progress.observed:
             self.order_check.add(running.stats.index, running.kind, running.progress.observed_ids,
                                  running.progress.observed)
-        if self.swap_ins is not None:
-            running.stats.swap_in_unused += self.swap_ins.end_pass()
+        if running.swap_ins is not None:
+            running.stats.swap_in_unused += running.swap_ins.end_pass()
         for module in running.recompute_owners.values():
             module.ds_recompute_parameters.clear()  # what is still gathered is released with the pass
         if self.events is not None:
@@ -368,17 +368,15 @@ class PartitionedParameterCoordinator:
                 if (not backward or forward or not is_external_of(current_submodule, param)
                         or self.external_reads.claims(current_submodule, param)):
                     param.ds_active_sub_modules.add(current_submodule.ds_id)
-            if self.swap_ins is not None:
+            if self.prefetch_nvme:
                 self._make_swap_room(running, params)
             with self._event(self.FORWARD_FETCH_SUBMIT if forward else self.BACKWARD_FETCH_SUBMIT, params, "fetch"):
                 self._gather(params, prefetch=False, forward=forward)
             with module_range("wait", current_submodule), self._event(
                     self.FORWARD_FETCH_WAIT if forward else self.BACKWARD_FETCH_WAIT, params, "wait"):
                 self.gatherer.wait(params, fast_leaf=self.leaf_sharding.applies_to(current_submodule))
-            if self.swap_ins is not None:
-                persisted = persistent_partitions_in_memory(params)
-                if persisted:  # gathered for good: their NVMe partition buffers are not needed again
-                    persisted[0].nvme_swapper.remove_partition_and_release_buffers(persisted)
+            if self.prefetch_nvme:
+                free_persistent_buffers(params)
             for param in params:
                 if param.ds_status != ZeroParamStatus.AVAILABLE:
                     raise RuntimeError(f"deepspeed-zero3: parameter ds_id={param.ds_id} shape={tuple(param.ds_shape)} "
@@ -467,7 +465,7 @@ class PartitionedParameterCoordinator:
             return
         prefetcher.reached(step)
         wanted = prefetcher.plan(self.live_numel, self.settings.max_live_numel,
-                                 stop_at=blocks_gather if self.swap_ins is not None else None)
+                                 stop_at=blocks_gather if self.prefetch_nvme else None)
         if wanted:
             forward = not running.is_backward
             with (module_range("prefetch", module, params=wanted)
@@ -475,8 +473,8 @@ class PartitionedParameterCoordinator:
                     self._event(self.FORWARD_PREFETCH_SUBMIT if forward else self.BACKWARD_PREFETCH_SUBMIT, wanted,
                                 "prefetch"):
                 self._gather(wanted, prefetch=True, forward=forward)
-        if self.swap_ins is not None:
-            running.stats.swap_in_ahead += self.swap_ins.read_ahead(prefetcher.trace.param_uses, prefetcher.cursor,
+        if running.swap_ins is not None:
+            running.stats.swap_in_ahead += running.swap_ins.read_ahead(prefetcher.trace.param_uses, prefetcher.cursor,
                                                                     self.settings.bucket_numel)
 
     def _make_swap_room(self, running: Optional[RunningPass], params) -> None:
@@ -485,7 +483,8 @@ class PartitionedParameterCoordinator:
         if not needed:
             return
         (running.stats if running is not None else self.stats.outside_pass).swap_in_demand += len(needed)
-        self.swap_ins.make_room(needed, self._release_gathered_for_swap_room)
+        reads = running.swap_ins if running is not None else NvmeSwapIns()  # between passes nothing was read ahead
+        reads.make_room(needed, self._release_gathered_for_swap_room)
 
     def _release_gathered_for_swap_room(self, count: int) -> None:
         """Free ``count`` swap buffers by releasing gathered parameters not in use (kept, then prefetched)."""

@@ -7,7 +7,7 @@ autograd graph task ([Note: one prefetcher per pass], [Note: the end of a backwa
 that pass alone lives on one ``RunningPass``, held as ``coordinator.running``:
 its kind, where it stands against its trace, its prefetcher, the parameter list
 each module's fetch took, the modules whose backward has begun and not ended,
-and its counters. The coordinator creates it in ``_begin_pass`` and drops it in
+its counters and its NVMe reads ahead. The coordinator creates it in ``_begin_pass`` and drops it in
 ``_end_pass``, nowhere else, so a pass's state cannot leak into the next one and
 no field needs clearing by hand. ``running is None`` is the idle state.
 State that outlives a pass is the coordinator's: what is gathered (its
@@ -20,6 +20,7 @@ from typing import Dict, Optional, Tuple
 
 from torch.nn import Module, Parameter
 
+from deepspeed_zero3.runtime.zero.nvme_swap import NvmeSwapIns
 from deepspeed_zero3.runtime.zero.passes import PassKind
 from deepspeed_zero3.runtime.zero.prefetch import PassPrefetcher
 from deepspeed_zero3.runtime.zero.stats import PassStats
@@ -30,11 +31,13 @@ class RunningPass:
     """One pass from its start to its end ([Note: the running pass])."""
 
     def __init__(self, kind: PassKind, progress: PassProgress, prefetcher: Optional[PassPrefetcher],
-                 stats: PassStats):
+                 stats: PassStats, swap_ins: Optional[NvmeSwapIns] = None):
         self.kind = kind
         self.progress = progress
         self.prefetcher = prefetcher  # None: prefetching is off, or the pass left its trace
         self.stats = stats
+        # NVMe offload only: the partitions this pass read ahead ([Note: NVMe swap-in ahead]).
+        self.swap_ins = swap_ins
         # Module ds_id -> the parameter list its fetch in this pass read from the trace: its release covers
         # exactly that list ([Note: cached parameter lists]).
         self.fetched_from: Dict[int, Tuple[Parameter, ...]] = {}
