@@ -82,7 +82,7 @@ def _note_external_read(reader, param) -> None:
         return
     registry = reader.__dict__.get(REGISTRY_ATTR)
     if registry is not None:
-        registry.coordinator.external_reads.note(reader, param)
+        registry.coordinator.note_external_read(reader, param)
 
 
 def _gathered_ahead_unclaimed(param) -> bool:

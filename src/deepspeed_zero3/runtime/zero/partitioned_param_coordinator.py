@@ -196,8 +196,6 @@ class PartitionedParameterCoordinator:
         with self.lock:
             self._end_open_pass(Boundary.FORWARD_BEGINS)  # [Note: keeping across no-grad passes]
             kind = PassKind.FORWARD if torch.is_grad_enabled() else PassKind.EVAL_FORWARD
-            if kind is PassKind.FORWARD:
-                self.external_reads.forward_began()
             if self.events is not None:
                 self.events.forward_began()
             self._begin_pass(kind, self.prediction.forward_guess(kind, self.traces))
@@ -212,8 +210,8 @@ class PartitionedParameterCoordinator:
                 # parameter gathered and left it so: inside GatheredParameters over the model (whose parameters
                 # are never released under it), all persistent, or all kept from the last eval forward. The
                 # first is the one way a forward may run on one rank alone, so such a pass leaves the runtime
-                # as it found it: no trace recorded or moved to the front, no order check, no count toward the
-                # next backward, nothing released at its end. Each would make this rank's next collectives
+                # as it found it: no trace recorded or moved to the front, no order check, no external read
+                # committed, no count toward the next backward, nothing released at its end. Each would make this rank's next collectives
                 # differ from the other ranks'.
                 self._end_pass(aborted=False, compare=False)
                 return
@@ -266,8 +264,8 @@ class PartitionedParameterCoordinator:
             if running is None or not running.is_backward:
                 return
             self.keeping.backward_ended(self._finish_trace(running, aborted))
-            self.external_reads.backward_ended()
             self._end_pass(aborted)
+            self.external_reads.backward_ended()
             self._release_all(Boundary.BACKWARD_ENDS)
             if not aborted and self.order_check.due(PassKind.BACKWARD):
                 self.order_check.check()  # [Note: diverging ranks]
@@ -306,11 +304,14 @@ class PartitionedParameterCoordinator:
     def _end_pass(self, aborted: bool, compare: bool = True) -> None:
         """[Note: the running pass]: the one place a pass's state is dropped."""
         running = self.running
-        # An aborted pass is not compared: its exception may have hit one rank only, and a collective now
-        # would pair with whatever the other ranks are running. Nor is a silent one ([Note: silent passes]).
-        if compare and not aborted and running.progress.observed:
-            self.order_check.add(running.stats.index, running.kind, running.progress.observed_ids,
-                                 running.progress.observed)
+        # An aborted pass is neither compared nor has its external reads committed: its exception may have hit one
+        # rank only, and a collective now would pair with whatever the other ranks are running. Nor is a silent
+        # one ([Note: silent passes]).
+        if compare and not aborted:
+            self.external_reads.commit(running.external_reads, running.kind is PassKind.FORWARD)
+            if running.progress.observed:
+                self.order_check.add(running.stats.index, running.kind, running.progress.observed_ids,
+                                     running.progress.observed)
         if running.swap_ins is not None:
             running.stats.swap_in_unused += running.swap_ins.end_pass()
         for module in running.recompute_owners.values():
@@ -366,7 +367,7 @@ class PartitionedParameterCoordinator:
                 # [Note: release at last use in a recompute]: a backward holds an external parameter only if a
                 # forward may have saved it by reference.
                 if (not backward or forward or not is_external_of(current_submodule, param)
-                        or self.external_reads.claims(current_submodule, param)):
+                        or self.external_reads.claims(current_submodule, param, running.external_reads)):
                     param.ds_active_sub_modules.add(current_submodule.ds_id)
             if self.prefetch_nvme:
                 self._make_swap_room(running, params)
@@ -402,6 +403,18 @@ class PartitionedParameterCoordinator:
             if self.running is not None:
                 self.running.gathered += 1
             self.residency.add_read(param)
+
+    def note_external_read(self, module: Module, param: Parameter) -> None:
+        """``module`` read its external parameter ``param`` now ([Note: release at last use in a recompute]): into
+        the running pass's reads, committed at its end; between passes, at once."""
+        with self.lock:
+            running = self.running
+            if running is not None:
+                ExternalReads.note(running.external_reads, module, param)
+            else:
+                reads = {}
+                ExternalReads.note(reads, module, param)
+                self.external_reads.commit(reads, forward_with_grad=False)
 
     @eager_only  # [Note: what Dynamo may trace]
     @torch.no_grad()

@@ -60,27 +60,39 @@ def is_external_of(module: Module, param: Parameter) -> bool:
 
 class ExternalReads:
     """For each (module, external parameter) read in the forwards since the last backward, whether any read
-    may have saved the parameter by reference ([Note: release at last use in a recompute])."""
+    may have saved the parameter by reference ([Note: release at last use in a recompute]). A pass's reads are
+    buffered on the pass (``RunningPass.external_reads``, written by ``note``) and committed at its end unless it
+    was silent or aborted ([Note: silent passes]): a forward that one rank alone runs changes nothing here."""
 
     def __init__(self):
         self.by_reference = {}
         self.backward_since = False
 
-    def forward_began(self) -> None:
-        if self.backward_since:
+    @staticmethod
+    def note(reads: dict, module: Module, param: Parameter) -> None:
+        """Record in ``reads`` (a pass's buffer) that ``module`` read ``param`` now."""
+        key = (module.ds_id, param.ds_id)
+        reads[key] = reads.get(key, False) or not read_saves_no_reference()
+
+    def commit(self, reads: dict, forward_with_grad: bool) -> None:
+        """A pass that was neither silent nor aborted ended: its reads count from now on. The first forward with
+        grad after a backward starts the record afresh."""
+        if forward_with_grad and self.backward_since:
             self.by_reference.clear()
             self.backward_since = False
+        for key, by_reference in reads.items():
+            self.by_reference[key] = self.by_reference.get(key, False) or by_reference
 
     def backward_ended(self) -> None:
         self.backward_since = True
 
-    def note(self, module: Module, param: Parameter) -> None:
+    def claims(self, module: Module, param: Parameter, pending: dict) -> bool:
+        """Whether ``module``'s backward must hold ``param`` gathered until its post-backward; ``pending``: the
+        running pass's reads, not committed yet."""
         key = (module.ds_id, param.ds_id)
-        self.by_reference[key] = self.by_reference.get(key, False) or not read_saves_no_reference()
-
-    def claims(self, module: Module, param: Parameter) -> bool:
-        """Whether ``module``'s backward must hold ``param`` gathered until its post-backward."""
-        return self.by_reference.get((module.ds_id, param.ds_id), True)
+        if key in pending:
+            return pending[key] or self.by_reference.get(key, False)
+        return self.by_reference.get(key, True)
 
     def clear(self) -> None:
         self.by_reference.clear()

@@ -7,7 +7,8 @@ autograd graph task ([Note: one prefetcher per pass], [Note: the end of a backwa
 that pass alone lives on one ``RunningPass``, held as ``coordinator.running``:
 its kind, where it stands against its trace, its prefetcher, the parameter list
 each module's fetch took, the modules whose backward has begun and not ended,
-its counters and its NVMe reads ahead. The coordinator creates it in ``_begin_pass`` and drops it in
+its counters, its NVMe reads ahead and the external reads it saw (committed only at
+a non-silent, non-aborted end, [Note: silent passes]). The coordinator creates it in ``_begin_pass`` and drops it in
 ``_end_pass``, nowhere else, so a pass's state cannot leak into the next one and
 no field needs clearing by hand. ``running is None`` is the idle state.
 State that outlives a pass is the coordinator's: what is gathered (its
@@ -43,6 +44,9 @@ class RunningPass:
         self.fetched_from: Dict[int, Tuple[Parameter, ...]] = {}
         # Backward passes: modules fetched whose post-backward hook has not fired yet.
         self.active_backward: Dict[int, Module] = {}
+        # (module ds_id, parameter ds_id) -> whether a read may have saved it by reference ([Note: release at last
+        # use in a recompute]): this pass's reads, committed to the coordinator's ExternalReads at its end.
+        self.external_reads: Dict[Tuple[int, int], bool] = {}
         # Modules given parameters through upstream's update_recompute_parameters in this pass.
         self.recompute_owners: Dict[int, Module] = {}
         # All-gathers this pass issued and parameters it released: with neither, the pass changed nothing ([Note:
