@@ -444,8 +444,8 @@ class PartitionedParameterCoordinator:
         """What ``module``'s fetch covered: the list that fetch took from the trace, else
         ``fetch_params(module, strict=False)``."""
         params = running.fetched_from.get(module.ds_id) if running is not None else None
-        if params is not None and "_external_params" not in module.__dict__:
-            return params
+        if params is not None and not module.__dict__.get("_external_params"):
+            return params  # initialize gives every module an empty _external_params: only a non-empty one counts
         # External parameters can be registered during the module's own forward (ZeROOrderedDict's getter):
         # its release covers them, as upstream's does.
         return fetch_params(module, strict=False)
