@@ -9,6 +9,22 @@ handle keeps upstream's back-pressure: at most two fetch events are left
 queued on the stream, since memory is allocated by the host at submit time but
 used later by the stream. On CPU (gloo) the stream is None and all of this runs
 synchronously.
+
+[Note: the stream dependency]
+Whatever a wait popped, the current stream then waits for the all-gather stream,
+as upstream's fetch_sub_module does after every fetch (on accelerators that do
+not resolve data dependencies themselves). A parameter may have been completed
+earlier while another stream was current: by a coalesced sibling's wait, or kept
+for reuse, claimed by the prefetcher, kept for the backward. The stream running
+this module has not waited for that copy yet, and would read ``param.data``
+before the gather has written it.
+
+[Note: one event per completed gather]
+A coalesced handle completes all its parameters at its first wait; that wait
+recorded the event that back-pressure counts. Upstream records one more per
+parameter of it, which fills the bounded queue with gathers already counted, so
+the host synchronizes sooner than MAX_QUEUED_FETCH_EVENTS gathers deep. Ours
+records none for a handle already complete.
 """
 
 import collections
@@ -109,14 +125,8 @@ class Gatherer:
         return issued
 
     def wait(self, params: Iterable[Parameter], fast_leaf: bool = False) -> None:
-        """Block until each of ``params`` is AVAILABLE (those in flight are completed here).
-
-        [Note: the stream dependency] Whatever was popped here, the current stream then waits for the
-        all-gather stream, as upstream's fetch_sub_module does after every fetch (on accelerators that do not
-        resolve data dependencies themselves). A parameter may have been completed earlier while another
-        stream was current: by a coalesced sibling's wait, or kept for reuse, claimed by the prefetcher, kept
-        for the backward. The stream running this module has not waited for that copy yet, and would read
-        ``param.data`` before the gather has written it.
+        """Block until each of ``params`` is AVAILABLE (those in flight are completed here), then make the
+        current stream wait for the all-gather stream ([Note: the stream dependency]).
 
         ``fast_leaf``: upstream's wait for a z3 leaf under ``fast_sharding_for_leaf_module`` ([Note: fast
         sharding for leaf modules]): the gathered memory takes no compute-stream dependency, no back-pressure
@@ -131,11 +141,7 @@ class Gatherer:
                 continue
             popped = True
             if getattr(handle, "complete", False):
-                # [Note: one event per completed gather] A coalesced handle completes all its parameters at its
-                # first wait; that wait recorded the event that back-pressure counts. Upstream records one more
-                # per parameter of it, which fills the bounded queue with gathers already counted, so the host
-                # synchronizes sooner than MAX_QUEUED_FETCH_EVENTS gathers deep.
-                continue
+                continue  # [Note: one event per completed gather]
             with accelerator.stream(self.allgather_stream):
                 while self.queued_events and self.queued_events[0].query():
                     self.queued_events.popleft()

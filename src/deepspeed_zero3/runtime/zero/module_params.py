@@ -1,4 +1,17 @@
-"""Which ZeRO parameters a submodule fetches: its own, its external ones, and, for a z3 leaf, its subtree's."""
+"""Which ZeRO parameters a submodule fetches: its own, its external ones, and, for a z3 leaf, its subtree's.
+
+[Note: cached parameter lists]
+A replayed pass reuses the parameter list its trace recorded for a step (``PassTrace.params_at``) instead
+of calling ``fetch_params`` on every fetch, and a release covers the list its module's fetch took, unchecked
+(what a fetch gathered is what its release looks at), unless the module has external parameters (a
+non-empty ``_external_params``: initialize gives every module an empty one), which its forward may add to.
+The list is only reused while the module's signature (``params_signature``) equals the one recorded with
+it: the identities of its own parameters (a parameter assigned after ``initialize`` changes them, and the
+fetch then raises ``raise_for_unconverted``'s error as before), and the keys of its ``_external_params``
+(upstream keys them by ``id``; an external parameter found during a pass changes them). Identities are
+safe to compare because whoever holds a signature also holds the parameters it was taken from, so none of
+those ids can be reused by a new object.
+"""
 
 import itertools
 from typing import Dict, Iterable, List, Optional
@@ -43,19 +56,7 @@ def gathers_anything(module: Module) -> bool:
 def params_signature(module: Module) -> Optional[tuple]:
     """What ``fetch_params(module)`` depends on, in a form that is cheap to build and compare; None when the
     module's parameters cannot be told apart this cheaply (a z3 leaf, whose whole subtree counts, or external
-    parameters that do not come from ``register_external_parameter``).
-
-    [Note: cached parameter lists]
-    A replayed pass reuses the parameter list its trace recorded for a step (``PassTrace.params_at``) instead
-    of calling ``fetch_params`` on every fetch, and a release covers the list its module's fetch took, unchecked
-    (what a fetch gathered is what its release looks at), unless the module has external parameters, which
-    its forward may add to. The list is only reused while the module's signature equals the one recorded
-    with it: the identities of its own parameters (a parameter assigned after ``initialize`` changes them,
-    and the fetch then raises ``raise_for_unconverted``'s error as before),
-    and the keys of its ``_external_params`` (upstream keys them by ``id``; an external parameter found
-    during a pass changes them). Identities are safe to compare because whoever holds a signature also holds
-    the parameters it was taken from, so none of those ids can be reused by a new object.
-    """
+    parameters that do not come from ``register_external_parameter``): [Note: cached parameter lists]."""
     state = module.__dict__
     if state.get("_z3_leaf") or _class_opts_out(type(module)):
         return None

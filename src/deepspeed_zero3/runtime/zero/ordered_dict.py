@@ -4,6 +4,19 @@ A parameter read during a forward while partitioned belongs to another module
 (a tied embedding read by the LM head, say). It is gathered on the spot and
 registered as an external parameter of the module now running, so that from the
 next pass on that module's fetch covers it.
+
+[Note: a parameter read while in flight]
+Upstream's getter acts on ``NOT_AVAILABLE`` parameters only: read in a forward while partitioned, a
+parameter is gathered and registered as an external parameter of the module running, whose fetches cover
+it from then on (in the backward too, where autograd needs it again). Upstream's first pass prefetches
+nothing, so every such read of a first pass finds the parameter partitioned. Ours replays a guess from the
+first pass ([Note: first-pass prediction]), so a module that reads another module's parameter before that
+module runs (``self.c(self.a(x) @ self.c.weight.t())``) finds it already in flight or gathered ahead. It
+would get an ``INFLIGHT`` parameter's empty placeholder ("size of tensor a (0) must match"), and, never
+registered, the backward would find it released. So a parameter read while gathered or in flight that no
+running fetch holds (no ``ds_active_sub_modules``; not persistent, not held by ``GatheredParameters``) is
+registered as external as if it had been partitioned, and a gather in flight is completed through the
+coordinator that started it (which also makes the stream wait for it).
 """
 
 import sys
@@ -86,19 +99,7 @@ def _note_external_read(reader, param) -> None:
 
 
 def _gathered_ahead_unclaimed(param) -> bool:
-    """[Note: a parameter read while in flight]
-    Upstream's getter acts on ``NOT_AVAILABLE`` parameters only: read in a forward while partitioned, a
-    parameter is gathered and registered as an external parameter of the module running, whose fetches cover
-    it from then on (in the backward too, where autograd needs it again). Upstream's first pass prefetches
-    nothing, so every such read of a first pass finds the parameter partitioned. Ours replays a guess from the
-    first pass ([Note: first-pass prediction]), so a module that reads another module's parameter before that
-    module runs (``self.c(self.a(x) @ self.c.weight.t())``) finds it already in flight or gathered ahead. It
-    would get an ``INFLIGHT`` parameter's empty placeholder ("size of tensor a (0) must match"), and, never
-    registered, the backward would find it released. So a parameter read while gathered or in flight that no
-    running fetch holds (no ``ds_active_sub_modules``; not persistent, not held by ``GatheredParameters``) is
-    registered as external as if it had been partitioned, and a gather in flight is completed through the
-    coordinator that started it (which also makes the stream wait for it).
-    """
+    """[Note: a parameter read while in flight]: no running fetch holds ``param``."""
     return not param.ds_persist and releasable(param)
 
 

@@ -206,14 +206,7 @@ class PartitionedParameterCoordinator:
             if running is None or running.is_backward:
                 return
             if not aborted and running.gathered == 0 and running.released == 0:
-                # [Note: silent passes] A forward that gathered nothing and released nothing found every
-                # parameter gathered and left it so: inside GatheredParameters over the model (whose parameters
-                # are never released under it), all persistent, or all kept from the last eval forward. The
-                # first is the one way a forward may run on one rank alone, so such a pass leaves the runtime
-                # as it found it: no trace recorded or moved to the front, no order check, no external read
-                # committed, no count toward the next backward, nothing released at its end. Each would make this rank's next collectives
-                # differ from the other ranks'.
-                self._end_pass(aborted=False, compare=False)
+                self._end_pass(aborted=False, compare=False)  # [Note: silent passes] (passes.py)
                 return
             trace = self._finish_trace(running, aborted)  # None if aborted: nothing then qualifies to survive
             if running.kind is PassKind.FORWARD:
@@ -242,18 +235,7 @@ class PartitionedParameterCoordinator:
     @eager_only  # [Note: what Dynamo may trace]
     @torch.no_grad()
     def _autograd_finished(self, running: RunningPass) -> None:
-        """[Note: the end of a backward]
-        A backward pass ends when the autograd graph task that began it completes: a callback queued on
-        that task at the pass's first backward hook closes it, releasing what the backward still holds
-        (modules whose post-backward never fired), recording its trace and checking the ranks' order.
-        That is the one place, on every supported release: stage 3 calls ``release_backward_leftovers``
-        after ``engine.backward()`` only from 0.19.3, and a direct ``loss.backward()`` never does, so
-        waiting for it would leave the leftovers gathered until the next forward or ``step()``. A graph
-        task that raises runs no callback: its pass stays open and the next boundary closes it as aborted
-        ([Note: a backward that raised]). ``release_backward_leftovers`` then finds no backward running.
-        The callback runs before stage 3's own end-of-backward callbacks, which were queued later; they
-        reduce gradients and read no parameter.
-        """
+        """The graph task that began ``running`` completed: close it ([Note: the end of a backward], passes.py)."""
         with self.lock:
             if self.running is running:
                 self.end_backward_pass()

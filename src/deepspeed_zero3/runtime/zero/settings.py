@@ -1,4 +1,12 @@
-"""The ZeRO-3 knobs the coordinator honours, validated with errors that name the config key."""
+"""The ZeRO-3 knobs the coordinator honours, validated with errors that name the config key.
+
+[Note: booleans in the raw config]
+Upstream's config turns ``true`` into 1 and ``false`` into 0 before any value reaches us, so a
+``stage3_prefetch_bucket_size: true`` would silently become a bucket of 1. The user's own values are
+read first, before the config's (``reject_boolean_numels``), and a boolean among the four numel keys is
+refused naming the key. Negative and fractional values never get this far: upstream's config refuses
+them, with its own message naming the key.
+"""
 
 import base64
 import json
@@ -55,12 +63,8 @@ def raw_zero_section(ds_config) -> dict:
 
 
 def reject_boolean_numels(ds_config) -> None:
-    """[Note: booleans in the raw config]
-    Upstream's config turns ``true`` into 1 and ``false`` into 0 before any value reaches us, so a
-    ``stage3_prefetch_bucket_size: true`` would silently become a bucket of 1. The user's own values are
-    read here, before the config's, and a boolean among the four numel keys is refused naming the key.
-    Negative and fractional values never get this far: upstream's config refuses them, with its own
-    message naming the key."""
+    """Refuse a boolean among the four numel keys of the user's own config ([Note: booleans in the raw
+    config])."""
     section = raw_zero_section(ds_config)
     for key in NUMEL_KEYS:
         if isinstance(section.get(key), bool):
