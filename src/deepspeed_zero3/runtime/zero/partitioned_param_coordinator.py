@@ -309,20 +309,13 @@ class PartitionedParameterCoordinator:
         return PassPrefetcher(kind.role, trace, self.settings.bucket_numel)
 
     def _finish_trace(self, running: RunningPass, aborted: bool) -> Optional[PassTrace]:
-        """The trace the ending pass ran, recording it if the cache has none like it."""
-        progress = running.progress
-        if aborted or not progress.observed:
+        """The trace the ending pass ran (None if aborted), recorded if the cache had none like it."""
+        if aborted:
             return None
-        trace = progress.completed_trace()
-        if trace is None:
-            trace = self.traces.find(progress.kind, progress.observed_ids, exact=True)
-            if trace is not None and not trace.runs(progress.observed):
-                trace = None
-        if trace is None:
-            trace = PassTrace(progress.kind, progress.observed)
+        trace, recorded = self.traces.finish(running.progress)
+        if recorded:
             running.stats.trace_records += 1
             self._log(f"recorded {trace.describe()}")
-        self.traces.touch(trace)
         return trace
 
     # ------------------------------------------------------------------ fetch and release
@@ -341,7 +334,8 @@ class PartitionedParameterCoordinator:
                 kind = running.kind if running is not None else PassKind.FORWARD
                 observed_step = running.progress.step if running is not None else -1
                 check_same_module_on_all_ranks(kind, observed_step, current_submodule, self.order_check.group)
-            params = self._params_to_fetch(running, current_submodule, step)
+            params = (running.params_to_fetch(current_submodule, step) if running is not None
+                      else fetch_params(current_submodule))
             backward = running is not None and running.is_backward
             if backward:
                 running.active_backward[current_submodule.ds_id] = current_submodule
@@ -390,13 +384,7 @@ class PartitionedParameterCoordinator:
         """``module`` read its external parameter ``param`` now ([Note: release at last use in a recompute]): into
         the running pass's reads, committed at its end; between passes, at once."""
         with self.lock:
-            running = self.running
-            if running is not None:
-                ExternalReads.note(running.external_reads, module, param)
-            else:
-                reads = {}
-                ExternalReads.note(reads, module, param)
-                self.external_reads.commit(reads, forward_with_grad=False)
+            self.external_reads.record(module, param, self.running.external_reads if self.running is not None else None)
 
     @eager_only  # [Note: what Dynamo may trace]
     @torch.no_grad()
@@ -408,29 +396,6 @@ class PartitionedParameterCoordinator:
             if param.ds_status != ZeroParamStatus.AVAILABLE:
                 raise RuntimeError(f"deepspeed-zero3: parameter ds_id={param.ds_id} shape={tuple(param.ds_shape)} "
                                    f"is {param.ds_status.name} after completing its gather; expected AVAILABLE")
-
-    def _params_to_fetch(self, running: Optional[RunningPass], module: Module, step: int) -> Sequence[Parameter]:
-        """``fetch_params(module)``, from the replayed trace when it holds them ([Note: cached parameter lists])."""
-        if running is None:
-            return fetch_params(module)
-        trace = running.progress.trace
-        params = trace.params_at(step, module) if trace is not None else None
-        if params is not None:
-            running.fetched_from[module.ds_id] = params
-            return params
-        running.fetched_from.pop(module.ds_id, None)
-        return fetch_params(module)
-
-    @staticmethod
-    def _params_to_release(running: Optional[RunningPass], module: Module) -> Sequence[Parameter]:
-        """What ``module``'s fetch covered: the list that fetch took from the trace, else
-        ``fetch_params(module, strict=False)``."""
-        params = running.fetched_from.get(module.ds_id) if running is not None else None
-        if params is not None and not module.__dict__.get("_external_params"):
-            return params  # initialize gives every module an empty _external_params: only a non-empty one counts
-        # External parameters can be registered during the module's own forward (ZeROOrderedDict's getter):
-        # its release covers them, as upstream's does.
-        return fetch_params(module, strict=False)
 
     def _observe(self, running: RunningPass, module: Module) -> int:
         outcome = running.progress.observe(module)
@@ -548,7 +513,8 @@ class PartitionedParameterCoordinator:
             prefetcher = running.prefetcher if running is not None else None
             keep_rule = running.keep_rule if running is not None else None
             partition = self.leaf_sharding.releaser() if self.leaf_sharding.applies_to(submodule) else None
-            params = self._params_to_release(running, submodule)
+            params = (running.params_to_release(submodule) if running is not None
+                      else fetch_params(submodule, strict=False))
             recomputed = () if forward else submodule.__dict__.get("ds_recompute_parameters")
             if recomputed:
                 # Upstream's attribution (update_recompute_parameters): released with this module's backward.

@@ -18,6 +18,8 @@ Released this way, a parameter the same backward uses again is kept for that use
 again by the reuse distance, as in any pass; values never change.
 """
 
+from typing import Optional
+
 import torch
 from torch.nn import Module, Parameter
 
@@ -61,18 +63,20 @@ def is_external_of(module: Module, param: Parameter) -> bool:
 class ExternalReads:
     """For each (module, external parameter) read in the forwards since the last backward, whether any read
     may have saved the parameter by reference ([Note: release at last use in a recompute]). A pass's reads are
-    buffered on the pass (``RunningPass.external_reads``, written by ``note``) and committed at its end unless it
+    buffered on the pass (``RunningPass.external_reads``, written by ``record``) and committed at its end unless it
     was silent or aborted ([Note: silent passes]): a forward that one rank alone runs changes nothing here."""
 
     def __init__(self):
         self.by_reference = {}
         self.backward_since = False
 
-    @staticmethod
-    def note(reads: dict, module: Module, param: Parameter) -> None:
-        """Record in ``reads`` (a pass's buffer) that ``module`` read ``param`` now."""
+    def record(self, module: Module, param: Parameter, pending: Optional[dict]) -> None:
+        """``module`` read ``param`` now: into ``pending`` (the running pass's reads), or, between passes, at once."""
+        reads = pending if pending is not None else {}
         key = (module.ds_id, param.ds_id)
         reads[key] = reads.get(key, False) or not read_saves_no_reference()
+        if pending is None:
+            self.commit(reads, forward_with_grad=False)
 
     def commit(self, reads: dict, forward_with_grad: bool) -> None:
         """A pass that was neither silent nor aborted ended: its reads count from now on. The first forward with

@@ -17,10 +17,11 @@ State that outlives a pass is the coordinator's: what is gathered (its
 (``NoGradKeeping``).
 """
 
-from typing import Dict, Optional, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 from torch.nn import Module, Parameter
 
+from deepspeed_zero3.runtime.zero.module_params import fetch_params
 from deepspeed_zero3.runtime.zero.nvme_swap import NvmeSwapIns
 from deepspeed_zero3.runtime.zero.passes import PassKind
 from deepspeed_zero3.runtime.zero.prefetch import PassPrefetcher
@@ -67,6 +68,25 @@ class RunningPass:
     def step(self) -> int:
         """The step of the trace the pass is at (-1 before its first module)."""
         return self.progress.trace_step
+
+    def params_to_fetch(self, module: Module, step: int) -> Sequence[Parameter]:
+        """``fetch_params(module)``, from the replayed trace when it holds them ([Note: cached parameter lists])."""
+        trace = self.progress.trace
+        params = trace.params_at(step, module) if trace is not None else None
+        if params is not None:
+            self.fetched_from[module.ds_id] = params
+            return params
+        self.fetched_from.pop(module.ds_id, None)
+        return fetch_params(module)
+
+    def params_to_release(self, module: Module) -> Sequence[Parameter]:
+        """What ``module``'s fetch in this pass covered: the list it took from the trace, else
+        ``fetch_params(module, strict=False)``. External parameters can be registered during the module's own
+        forward (the getter), so a module with any is asked afresh: its release covers them, as upstream's does."""
+        params = self.fetched_from.get(module.ds_id)
+        if params is not None and not module.__dict__.get("_external_params"):
+            return params  # initialize gives every module an empty _external_params: only a non-empty one counts
+        return fetch_params(module, strict=False)
 
     def replayed_trace(self) -> Optional[PassTrace]:
         """The trace the pass follows, or None while it records (fetching on demand)."""

@@ -151,6 +151,22 @@ class TraceCache:
     def __len__(self):
         return sum(len(bucket) for bucket in self.traces.values())
 
+    def finish(self, progress: "PassProgress") -> Tuple[Optional[PassTrace], bool]:
+        """The trace a pass that ran to its end ran (None if it observed no module), moved to the front, and whether
+        it was recorded now because no cached trace runs what it observed."""
+        if not progress.observed:
+            return None, False
+        trace = progress.completed_trace()
+        if trace is None:
+            trace = self.find(progress.kind, progress.observed_ids, exact=True)
+            if trace is not None and not trace.runs(progress.observed):
+                trace = None
+        recorded = trace is None
+        if recorded:
+            trace = PassTrace(progress.kind, progress.observed)
+        self.touch(trace)
+        return trace, recorded
+
 
 class ReplayState(enum.Enum):
     REPLAYING = "replaying"  # following a cached trace: prefetch and reuse decisions use it
