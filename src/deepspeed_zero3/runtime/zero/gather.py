@@ -86,6 +86,15 @@ class InflightParamRegistry(dict):
         return self
 
 
+def expect_status(params: Iterable[Parameter], status: ZeroParamStatus, after: str, *details) -> None:
+    """Raise, naming the first of ``params`` whose status is not ``status`` and what it came ``after`` (formatted
+    with ``details`` only then, so a check that passes builds no message)."""
+    for param in params:
+        if param.ds_status != status:
+            raise RuntimeError(f"deepspeed-zero3: parameter ds_id={param.ds_id} shape={tuple(param.ds_shape)} is "
+                               f"{param.ds_status.name} after {after.format(*details)}; expected {status.name}")
+
+
 class Gatherer:
     """Issues gathers on the all-gather stream and completes them with back-pressure."""
 

@@ -95,6 +95,13 @@ class BackwardKeeping:
         keeps for that backward)."""
         return self.forwards + 1 == forward.forwards_per_backward
 
+    def kept_for(self, forward: Optional[PassTrace], prediction) -> Optional[PassTrace]:
+        """The backward a forward with grad replaying ``forward`` keeps for, if any (``prediction``: the
+        coordinator's ``PassPrediction``, which knows the expected backward)."""
+        if forward is None or not self.follows(forward):
+            return None
+        return prediction.expected_backward(forward)
+
     def keeps(self, param: Parameter, step: int, forward: PassTrace, backward: Optional[PassTrace],
               settings: PrefetchSettings) -> bool:
         return self.plan.keeps(param, step, forward, backward, max(settings.max_reuse_numel, settings.bucket_numel),

@@ -22,6 +22,8 @@ from deepspeed.runtime.swap_tensor.partitioned_param_swapper import PartitionedP
 from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
+from deepspeed_zero3.runtime.zero.residency import releasable
+
 
 def on_nvme(param: Parameter) -> bool:
     """The partition's home is an NVMe file (small partitions of an NVMe-offloaded model stay in memory)."""
@@ -103,6 +105,17 @@ class NvmeSwapIns:
 def persistent_partitions_in_memory(params: Iterable[Parameter]) -> List[Parameter]:
     """Persistent parameters whose NVMe partition is in a buffer: once gathered they never need it again."""
     return [p for p in params if p.ds_persist and on_nvme(p) and p.ds_tensor.status != PartitionedParamStatus.NOT_AVAILABLE]
+
+
+def release_gathered_on_nvme(candidates: Iterable[Parameter], count: int, release: Callable[[Parameter], None]) -> None:
+    """Free up to ``count`` swap buffers: ``release`` the first ``candidates`` whose partition is on NVMe, gathered
+    and releasable (no module uses it, no ``GatheredParameters`` holds it)."""
+    for param in candidates:
+        if count <= 0:
+            return
+        if on_nvme(param) and param.ds_status != ZeroParamStatus.NOT_AVAILABLE and releasable(param):
+            release(param)
+            count -= 1
 
 
 def free_persistent_buffers(params: Iterable[Parameter]) -> None:

@@ -32,30 +32,30 @@ from typing import Optional, Sequence
 import torch
 from torch.nn import Module, Parameter
 
-from deepspeed import comm as dist
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 from deepspeed.utils.logging import logger
 
 from deepspeed_zero3.activation import check_kill_switch
 from deepspeed_zero3.runtime.zero.eager import eager_only
-from deepspeed_zero3.runtime.zero.gather import Gatherer, InflightParamRegistry
+from deepspeed_zero3.runtime.zero.gather import Gatherer, InflightParamRegistry, expect_status
 from deepspeed_zero3.runtime.zero.keep_rule import KeepRule
 from deepspeed_zero3.runtime.zero.keeping import BackwardKeeping
 from deepspeed_zero3.runtime.zero.leaf_granularity import FastLeafSharding
 from deepspeed_zero3.runtime.zero.module_params import fetch_params, iter_params
 from deepspeed_zero3.runtime.zero.nograd_keeping import NoGradKeeping
-from deepspeed_zero3.runtime.zero.nvme_swap import NvmeSwapIns, blocks_gather, free_persistent_buffers, on_nvme
+from deepspeed_zero3.runtime.zero.nvme_swap import (NvmeSwapIns, blocks_gather, free_persistent_buffers,
+                                                    release_gathered_on_nvme)
 from deepspeed_zero3.runtime.zero.pass_agreement import PassAgreement, pass_agreement_from_env
-from deepspeed_zero3.runtime.zero.passes import PassKind
+from deepspeed_zero3.runtime.zero.passes import BACKWARD_RAISED, PassKind
 from deepspeed_zero3.runtime.zero.prediction import PassPrediction
 from deepspeed_zero3.runtime.zero.prefetch import PassPrefetcher
 from deepspeed_zero3.runtime.zero.profiling import EventTimings, module_range, pass_range
-from deepspeed_zero3.runtime.zero.recompute import ExternalReads, in_autograd_engine, is_external_of
+from deepspeed_zero3.runtime.zero.recompute import ExternalReads, in_autograd_engine
 from deepspeed_zero3.runtime.zero.rank_agreement import PassOrderCheck, check_ranks_from_env, check_same_module_on_all_ranks
 from deepspeed_zero3.runtime.zero.residency import Boundary, Released, Residency, releasable
 from deepspeed_zero3.runtime.zero.running_pass import RunningPass
 from deepspeed_zero3.runtime.zero.settings import PrefetchSettings
-from deepspeed_zero3.runtime.zero.stats import PassStats, ZeroStats, format_line, stats_every_from_env
+from deepspeed_zero3.runtime.zero.stats import PassStats, ZeroStats, print_line_if_due, stats_every_from_env
 from deepspeed_zero3.runtime.zero.trace import PassProgress, PassTrace, StepOutcome, TraceCache
 
 
@@ -146,8 +146,7 @@ class PartitionedParameterCoordinator:
         return self.running.stats if self.running is not None else self.stats.outside_pass
 
     def running_kind(self) -> Optional[str]:
-        """The kind of the pass running now (``"forward"``, ``"eval_forward"``, ``"backward"``), None between
-        passes: what a weight stream asks before it starts."""
+        """The running pass's kind (``"forward"``, ``"eval_forward"``, ``"backward"``), None between passes."""
         running = self.running
         return running.kind.value if running is not None else None
 
@@ -206,18 +205,18 @@ class PartitionedParameterCoordinator:
             if running is None or running.is_backward:
                 return
             if not aborted and running.gathered == 0 and running.released == 0:
-                self._end_pass(aborted=False, compare=False)  # [Note: silent passes] (passes.py)
+                self._end_pass(running, aborted=False, compare=False)  # [Note: silent passes] (passes.py)
                 return
             trace = self._finish_trace(running, aborted)  # None if aborted: nothing then qualifies to survive
             if running.kind is PassKind.FORWARD:
-                backward = self._kept_for(trace)
+                backward = self.keeping.kept_for(trace, self.prediction)
                 boundary = Boundary.FORWARD_ENDS
                 qualifying = (lambda p: backward.next_use(p, -1) is not None) if backward is not None else None
                 self.keeping.forward_ended(trace)
             else:
                 boundary = Boundary.EVAL_FORWARD_ENDS
                 qualifying = self.nograd_keeping.planned(trace, self.settings).__contains__ if trace is not None else None
-            self._end_pass(aborted)
+            self._end_pass(running, aborted)
             self._release_all(Boundary.RESET if aborted else boundary, qualifying)
             if not aborted and self.order_check.due(running.kind):
                 self.order_check.check()  # [Note: diverging ranks]
@@ -246,16 +245,13 @@ class PartitionedParameterCoordinator:
             if running is None or not running.is_backward:
                 return
             self.keeping.backward_ended(self._finish_trace(running, aborted))
-            self._end_pass(aborted)
+            self._end_pass(running, aborted)
             self.external_reads.backward_ended()
             self._release_all(Boundary.BACKWARD_ENDS)
             if not aborted and self.order_check.due(PassKind.BACKWARD):
                 self.order_check.check()  # [Note: diverging ranks]
             self.backward_passes += 1
-            if self.stats_every and self.backward_passes % self.stats_every == 0 and (not dist.is_initialized()
-                                                                                     or dist.get_rank() == 0):
-                # Asked for by name, so printed: deepspeed's logger shows only warnings by default.
-                print(format_line(self.stats, self.backward_passes), flush=True)
+            print_line_if_due(self.stats, self.backward_passes, self.stats_every)
 
     def _end_open_pass(self, boundary: Boundary, abandoning: bool = False) -> None:
         """Close a pass whose closing hook never came (as aborted), then release what does not survive
@@ -268,10 +264,7 @@ class PartitionedParameterCoordinator:
             # exception (its partial order must not become a trace), or begun outside the autograd engine by a
             # direct hook call that never closed it.
             if not abandoning:
-                logger.warning("deepspeed-zero3: a backward pass raised before it finished; the parameters it "
-                               "gathered are now released and its partial module order is not kept as a trace. "
-                               "Stage 3 still holds that backward's partial gradients: call "
-                               "deepspeed_zero3.abandon_step(engine) after catching the exception to drop them.")
+                logger.warning(BACKWARD_RAISED)
             self.end_backward_pass(aborted=True)
         self._release_all(boundary)
 
@@ -283,17 +276,15 @@ class PartitionedParameterCoordinator:
         self.running = running
         return running
 
-    def _end_pass(self, aborted: bool, compare: bool = True) -> None:
+    def _end_pass(self, running: RunningPass, aborted: bool, compare: bool = True) -> None:
         """[Note: the running pass]: the one place a pass's state is dropped."""
-        running = self.running
         # An aborted pass is neither compared nor has its external reads committed: its exception may have hit one
         # rank only, and a collective now would pair with whatever the other ranks are running. Nor is a silent
         # one ([Note: silent passes]).
         if compare and not aborted:
             self.external_reads.commit(running.external_reads, running.kind is PassKind.FORWARD)
             if running.progress.observed:
-                self.order_check.add(running.stats.index, running.kind, running.progress.observed_ids,
-                                     running.progress.observed)
+                self.order_check.add(running.stats.index, running.kind, running.progress.observed_ids, running.progress.observed)
         if running.swap_ins is not None:
             running.stats.swap_in_unused += running.swap_ins.end_pass()
         for module in running.recompute_owners.values():
@@ -331,34 +322,26 @@ class PartitionedParameterCoordinator:
                 running = self.begin_backward_pass()
             step = self._observe(running, current_submodule) if running is not None else -1
             if self.check_ranks:
-                kind = running.kind if running is not None else PassKind.FORWARD
-                observed_step = running.progress.step if running is not None else -1
-                check_same_module_on_all_ranks(kind, observed_step, current_submodule, self.order_check.group)
+                kind, observed = (running.kind, running.progress.step) if running is not None else (PassKind.FORWARD, -1)
+                check_same_module_on_all_ranks(kind, observed, current_submodule, self.order_check.group)
             params = (running.params_to_fetch(current_submodule, step) if running is not None
                       else fetch_params(current_submodule))
             backward = running is not None and running.is_backward
             if backward:
                 running.active_backward[current_submodule.ds_id] = current_submodule
-            for param in params:
-                # [Note: release at last use in a recompute]: a backward holds an external parameter only if a
-                # forward may have saved it by reference.
-                if (not backward or forward or not is_external_of(current_submodule, param)
-                        or self.external_reads.claims(current_submodule, param, running.external_reads)):
-                    param.ds_active_sub_modules.add(current_submodule.ds_id)
+            self.external_reads.mark_in_use(current_submodule, params,
+                                            running.external_reads if backward and not forward else None)
             if self.prefetch_nvme:
                 self._make_swap_room(running, params)
             with self._event(self.FORWARD_FETCH_SUBMIT if forward else self.BACKWARD_FETCH_SUBMIT, params, "fetch"):
-                self._gather(params, prefetch=False, forward=forward)
+                self._gather(running, params, prefetch=False, forward=forward)
             with module_range("wait", current_submodule), self._event(
                     self.FORWARD_FETCH_WAIT if forward else self.BACKWARD_FETCH_WAIT, params, "wait"):
                 self.gatherer.wait(params, fast_leaf=self.leaf_sharding.applies_to(current_submodule))
             if self.prefetch_nvme:
                 free_persistent_buffers(params)
-            for param in params:
-                if param.ds_status != ZeroParamStatus.AVAILABLE:
-                    raise RuntimeError(f"deepspeed-zero3: parameter ds_id={param.ds_id} shape={tuple(param.ds_shape)} "
-                                       f"of module {type(current_submodule).__name__} ds_id={current_submodule.ds_id} "
-                                       f"is {param.ds_status.name} after its fetch at step {step}; expected AVAILABLE")
+            expect_status(params, ZeroParamStatus.AVAILABLE, "the fetch of module {} ds_id={} at step {}",
+                          type(current_submodule).__name__, current_submodule.ds_id, step)
             if running is not None:
                 self._prefetch(running, step, current_submodule)
             if self.param_layout is not None:
@@ -373,11 +356,10 @@ class PartitionedParameterCoordinator:
             if param.ds_status != ZeroParamStatus.NOT_AVAILABLE:
                 param.all_gather()  # gathers nothing: upstream's call, kept for what it does besides
                 return
-            self._agree_before_gathering()
+            running = self.running
+            self._agree_before_gathering(running)
             param.all_gather()
-            self._counting().on_allgather(param.ds_numel, prefetch=False)
-            if self.running is not None:
-                self.running.gathered += 1
+            self._count_gathered(running, (param, ), prefetch=False)
             self.residency.add_read(param)
 
     def note_external_read(self, module: Module, param: Parameter) -> None:
@@ -393,9 +375,7 @@ class PartitionedParameterCoordinator:
         in flight], ordered_dict.py)."""
         with self.lock:
             self.gatherer.wait([param])
-            if param.ds_status != ZeroParamStatus.AVAILABLE:
-                raise RuntimeError(f"deepspeed-zero3: parameter ds_id={param.ds_id} shape={tuple(param.ds_shape)} "
-                                   f"is {param.ds_status.name} after completing its gather; expected AVAILABLE")
+            expect_status((param, ), ZeroParamStatus.AVAILABLE, "completing its gather")
 
     def _observe(self, running: RunningPass, module: Module) -> int:
         outcome = running.progress.observe(module)
@@ -404,7 +384,7 @@ class PartitionedParameterCoordinator:
             running.stats.trace_switches += 1
             if running.prefetcher is not None:
                 for stale in running.prefetcher.rebase(running.progress.trace, step):
-                    self._release(stale)
+                    self._release(running, stale)
             else:
                 running.prefetcher = self._make_prefetcher(running.kind, running.progress.trace)
                 if running.prefetcher is not None:
@@ -432,7 +412,7 @@ class PartitionedParameterCoordinator:
                   if module is not None else pass_range("prefetch", " " + prefetcher.role + " start", wanted)), \
                     self._event(self.FORWARD_PREFETCH_SUBMIT if forward else self.BACKWARD_PREFETCH_SUBMIT, wanted,
                                 "prefetch"):
-                self._gather(wanted, prefetch=True, forward=forward)
+                self._gather(running, wanted, prefetch=True, forward=forward)
         if running.swap_ins is not None:
             running.stats.swap_in_ahead += running.swap_ins.read_ahead(prefetcher.trace.param_uses, prefetcher.cursor,
                                                                     self.settings.bucket_numel)
@@ -444,38 +424,21 @@ class PartitionedParameterCoordinator:
             return
         (running.stats if running is not None else self.stats.outside_pass).swap_in_demand += len(needed)
         reads = running.swap_ins if running is not None else NvmeSwapIns()  # between passes nothing was read ahead
-        reads.make_room(needed, self._release_gathered_for_swap_room)
+        reads.make_room(needed, lambda count: self._release_gathered_for_swap_room(running, count))
 
-    def _release_gathered_for_swap_room(self, count: int) -> None:
+    def _release_gathered_for_swap_room(self, running: Optional[RunningPass], count: int) -> None:
         """Free ``count`` swap buffers by releasing gathered parameters not in use (kept, then prefetched)."""
-        prefetcher = self.running.prefetcher if self.running is not None else None
+        prefetcher = running.prefetcher if running is not None else None
         candidates = list(self.residency.parked()) + (list(prefetcher.outstanding) if prefetcher is not None else [])
-        for param in candidates:
-            if count <= 0:
-                return
-            if on_nvme(param) and param.ds_status != ZeroParamStatus.NOT_AVAILABLE and releasable(param):
-                self._release(param)
-                count -= 1
+        release_gathered_on_nvme(candidates, count, lambda param: self._release(running, param))
 
     def _event(self, name: str, params, what: str):
-        """Upstream's profiler event ``name`` around a fetch submit, wait or prefetch submit of ``params`` (a no-op
-        unless ENABLE_PROFILER): the numel upstream records for it."""
-        if self.events is None:
-            return _NO_EVENT
-        if what == "fetch":
-            numel = sum(p.partition_numel() for p in params if p.ds_status == ZeroParamStatus.NOT_AVAILABLE)
-            if numel == 0:
-                return _NO_EVENT  # upstream records a fetch submit only when it gathers something
-        elif what == "wait":
-            numel = sum(p.partition_numel() for p in params if p in self.inflight)
-        else:
-            numel = sum(p.ds_numel for p in params)
-        return self.events.event(name, numel)
+        """Upstream's profiler event ``name`` around a ``what`` of ``params`` (a no-op unless ENABLE_PROFILER)."""
+        return self.events.around(name, params, what, self.inflight) if self.events is not None else _NO_EVENT
 
-    def _agree_before_gathering(self) -> None:
+    def _agree_before_gathering(self, running: Optional[RunningPass]) -> None:
         """[Note: ranks in different passes]: called just before an all-gather is issued; before the running pass's
         first, the ranks agree on the pass."""
-        running = self.running
         if running is None or running.agreed:
             return
         running.agreed = True
@@ -483,16 +446,22 @@ class PartitionedParameterCoordinator:
             running.stats.pass_checks += 1  # counted before it may raise: the exchange is issued either way
             self.pass_agreement.agree(running.kind)
 
-    def _gather(self, params: Sequence[Parameter], prefetch: bool, forward: bool = True) -> None:
+    def _gather(self, running: Optional[RunningPass], params: Sequence[Parameter], prefetch: bool,
+                forward: bool = True) -> None:
         timed = None
         if self.events is not None:
             name = self.FORWARD_ALL_GATHER if forward else self.BACKWARD_ALL_GATHER
             timed = lambda group: self.events.event(name, sum(p.ds_numel for p in group))  # noqa: E731
-        for group in self.gatherer.submit(params, timed=timed, before=self._agree_before_gathering):
-            self._counting().on_allgather(sum(p.ds_numel for p in group), prefetch=prefetch)
-            if self.running is not None:
-                self.running.gathered += 1
+        for group in self.gatherer.submit(params, timed=timed, before=lambda: self._agree_before_gathering(running)):
+            self._count_gathered(running, group, prefetch)
             self.residency.add(group)
+
+    def _count_gathered(self, running: Optional[RunningPass], group: Sequence[Parameter], prefetch: bool) -> None:
+        """One all-gather of ``group`` was issued: counted in ``running`` (or outside any pass)."""
+        (running.stats if running is not None else self.stats.outside_pass).on_allgather(
+            sum(p.ds_numel for p in group), prefetch=prefetch)
+        if running is not None:
+            running.gathered += 1
 
     @eager_only  # [Note: what Dynamo may trace]
     @torch.no_grad()
@@ -532,42 +501,31 @@ class PartitionedParameterCoordinator:
                 if reason is not None:
                     self.residency.park(param, reason)
                     continue
-                self._release(param, partition)
+                self._release(running, param, partition)
             if self.param_layout is not None:
                 self.param_layout.after_release(submodule)
             if not forward and running is not None:
                 running.active_backward.pop(submodule.ds_id, None)
 
-    def _kept_for(self, forward: Optional[PassTrace]) -> Optional[PassTrace]:
-        """The backward a forward with grad replaying ``forward`` keeps for ([Note: budgeted keeping]), if any."""
-        if forward is None or not self.keeping.follows(forward):
-            return None
-        return self.prediction.expected_backward(forward)
-
     def _keep_rule(self, running: RunningPass) -> KeepRule:
         """[Note: a keep rule per pass]: built when a pass begins and when its replayed trace switches or is left."""
         trace = running.replayed_trace()
-        following = self._kept_for(trace) if running.kind is PassKind.FORWARD else None
+        following = self.keeping.kept_for(trace, self.prediction) if running.kind is PassKind.FORWARD else None
         return KeepRule(running.kind, trace, following, self.keeping, self.nograd_keeping)
 
-    def _release(self, param: Parameter, partition=None) -> None:
+    def _release(self, running: Optional[RunningPass], param: Parameter, partition=None) -> None:
         """``Residency.release``, counted for the running pass; its prefetcher forgets what was released."""
         outcome = self.residency.release(param, partition)
         if outcome is Released.HELD:
             return  # the prefetcher's records too stay as they are
-        if outcome is Released.PARTITIONED and self.running is not None:
-            self.running.released += 1
-        if self.running is not None and self.running.prefetcher is not None:
-            self.running.prefetcher.forget(param)
-
-    def _forget(self, param: Parameter) -> None:
-        if self.running is not None and self.running.prefetcher is not None:
-            self.running.prefetcher.forget(param)
-        self.residency.forget(param)
+        if outcome is Released.PARTITIONED and running is not None:
+            running.released += 1
+        if running is not None and running.prefetcher is not None:
+            running.prefetcher.forget(param)
 
     def _release_all(self, boundary: Boundary, qualifying=None) -> None:
         """Complete every gather in flight and release every gathered parameter of ours but the survivors of
-        ``boundary`` (``qualifying``: its filter, [Note: residency])."""
+        ``boundary`` (``qualifying``: its filter, [Note: residency]). Between passes: each caller ended the pass."""
         with self.lock:
             self.gatherer.wait_all()
             if self.param_layout is not None:
@@ -577,7 +535,7 @@ class PartitionedParameterCoordinator:
                 if param in survivors and param.ds_status == ZeroParamStatus.AVAILABLE:
                     continue
                 param.ds_active_sub_modules.clear()
-                self._release(param)
+                self._release(None, param)
 
     @torch.no_grad()
     def after_state_load(self) -> None:
@@ -591,7 +549,7 @@ class PartitionedParameterCoordinator:
             for param in self.residency.parked():
                 if param.ds_status == ZeroParamStatus.AVAILABLE and releasable(param):
                     param.partition(has_been_updated=True)  # the load's exception: the loaded values are kept
-                self._forget(param)
+                self.residency.forget(param)
 
     # ------------------------------------------------------------------ upstream entry points
 
@@ -628,11 +586,8 @@ class PartitionedParameterCoordinator:
                 param.ds_active_sub_modules.clear()
                 if param.ds_status == ZeroParamStatus.AVAILABLE:
                     param.partition()
-                self._forget(param)
-            for param in params:
-                if param.ds_status != ZeroParamStatus.NOT_AVAILABLE:
-                    raise RuntimeError(f"deepspeed-zero3: parameter ds_id={param.ds_id} shape={tuple(param.ds_shape)} "
-                                       f"is {param.ds_status.name} after release_and_reset_all; expected NOT_AVAILABLE")
+                self.residency.forget(param)
+            expect_status(params, ZeroParamStatus.NOT_AVAILABLE, "release_and_reset_all")
 
     def _log(self, message: str) -> None:
         if self.log_trace_cache_warnings:

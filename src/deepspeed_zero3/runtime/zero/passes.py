@@ -24,6 +24,12 @@ the other ranks'.
 
 import enum
 
+# Logged when the next boundary finds a backward still open that its graph task's completion did not close.
+BACKWARD_RAISED = ("deepspeed-zero3: a backward pass raised before it finished; the parameters it gathered are now "
+                   "released and its partial module order is not kept as a trace. Stage 3 still holds that backward's "
+                   "partial gradients: call deepspeed_zero3.abandon_step(engine) after catching the exception to drop "
+                   "them.")
+
 
 class PassKind(enum.Enum):
     """What kind of pass is running, decided by grad mode and autograd, never by ``nn.Module.training``."""

@@ -14,6 +14,8 @@ import contextlib
 
 import torch
 
+from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
 _NO_RANGE = contextlib.nullcontext()
 _profiler_enabled = torch._C._autograd._profiler_enabled
 
@@ -59,6 +61,20 @@ class EventTimings:
     def __init__(self, profiler):
         self.profiler = profiler
         self.due = False  # a pass replaying a trace ended since the last log
+
+    def around(self, name: str, params, what: str, inflight):
+        """The event ``name`` around a fetch submit (``what="fetch"``), wait (``"wait"``) or prefetch submit of
+        ``params``, with the numel upstream records for it; a fetch that gathers nothing records none, as
+        upstream's. ``inflight``: the in-flight registry, read before the wait."""
+        if what == "fetch":
+            numel = sum(p.partition_numel() for p in params if p.ds_status == ZeroParamStatus.NOT_AVAILABLE)
+            if numel == 0:
+                return _NO_RANGE
+        elif what == "wait":
+            numel = sum(p.partition_numel() for p in params if p in inflight)
+        else:
+            numel = sum(p.ds_numel for p in params)
+        return self.event(name, numel)
 
     @contextlib.contextmanager
     def event(self, name: str, numel: int):

@@ -98,6 +98,14 @@ class ExternalReads:
             return pending[key] or self.by_reference.get(key, False)
         return self.by_reference.get(key, True)
 
+    def mark_in_use(self, module: Module, params, backward_reads: Optional[dict]) -> None:
+        """``module``'s fetch uses ``params`` until its release. ``backward_reads``: for a fetch of ``module``'s
+        backward, the running pass's reads: there an external parameter is held only if claimed."""
+        for param in params:
+            if (backward_reads is None or not is_external_of(module, param)
+                    or self.claims(module, param, backward_reads)):
+                param.ds_active_sub_modules.add(module.ds_id)
+
     def clear(self) -> None:
         self.by_reference.clear()
         self.backward_since = False

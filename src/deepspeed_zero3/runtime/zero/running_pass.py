@@ -10,11 +10,13 @@ each module's fetch took, the modules whose backward has begun and not ended,
 its counters, its NVMe reads ahead and the external reads it saw (committed only at
 a non-silent, non-aborted end, [Note: silent passes]). The coordinator creates it in ``_begin_pass`` and drops it in
 ``_end_pass``, nowhere else, so a pass's state cannot leak into the next one and
-no field needs clearing by hand. ``running is None`` is the idle state.
+no field needs clearing by hand. ``running is None`` is the idle state. The
+coordinator's entry points read ``running`` once; a helper that needs the pass takes
+it as an argument, and one that runs between passes says so.
 State that outlives a pass is the coordinator's: what is gathered (its
 ``Residency``), the traces, the link from a forward to its backward
-(``BackwardKeeping``) and what an eval forward carried for the next forward
-(``NoGradKeeping``).
+(``BackwardKeeping``), what an eval forward carried for the next forward
+(``NoGradKeeping``) and the committed external reads (``ExternalReads``).
 """
 
 from typing import Dict, Optional, Sequence, Tuple

@@ -9,6 +9,8 @@ import collections
 from dataclasses import asdict, dataclass, field
 from typing import Deque, Dict, Optional
 
+from deepspeed import comm as dist
+
 from deepspeed_zero3.runtime.zero.passes import PassKind
 
 
@@ -154,6 +156,13 @@ def stats_every_from_env(environ) -> int:
         raise ValueError(f"{STATS_EVERY_ENV}={raw!r} is not allowed: expected a whole number of backward "
                          f"passes >= 0 (0 turns the stats line off)")
     return every
+
+
+def print_line_if_due(stats: ZeroStats, backward_passes: int, every: int) -> None:
+    """Print ``format_line`` on rank 0 when ``backward_passes`` is a multiple of ``every`` (0: never). Asked for by
+    name, so printed: deepspeed's logger shows only warnings by default."""
+    if every and backward_passes % every == 0 and (not dist.is_initialized() or dist.get_rank() == 0):
+        print(format_line(stats, backward_passes), flush=True)
 
 
 def format_line(stats: ZeroStats, backward_passes: int) -> str:
