@@ -15,12 +15,14 @@ from deepspeed_zero3.testing.engines import (batch, gathered_copies, mse_loss, t
                                              zero3_config)
 from deepspeed_zero3.testing.models import model_b
 
-# A forward on one rank alone inside GatheredParameters is silent only where the context marks what it holds
-# (deepspeed 0.19.4 on, [Note: release capabilities]); before, see the test of what happens instead.
+# A forward on one rank alone inside GatheredParameters gathers nothing and releases nothing the runtime did not
+# gather ([Note: residency]), so it is silent on every release. Between a forward and its backward, what the forward
+# kept for the backward is the runtime's own: only where the context marks what it holds (deepspeed 0.19.4 on,
+# [Note: release capabilities]) does the runtime leave it alone; before, see the test of what happens instead.
 needs_gathered_context_mark = pytest.mark.skipif(
     capabilities.GATHERED_CONTEXT_DEPTH_ATTR is None,
     reason="this deepspeed release's GatheredParameters does not mark what it holds (from 0.19.4): a forward on one "
-    "rank under it releases parameters, and the order check stops every rank")
+    "rank under it between a forward and its backward releases what was kept for the backward")
 
 
 class RankDependent(torch.nn.Module):
@@ -201,7 +203,6 @@ def test_default_check_costs_one_small_collective_per_backward_and_per_batch_of_
     engine.destroy()
 
 
-@needs_gathered_context_mark
 def test_no_grad_forward_on_one_rank_under_gathered_parameters():
     """Rank 0 alone runs a no-grad forward inside GatheredParameters over the whole model (a sample or a log on
     one rank). It gathers nothing, so it must leave no trace, no pending order check and no collective behind.
@@ -241,21 +242,24 @@ def test_no_grad_forward_on_one_rank_under_gathered_parameters():
 
 @pytest.mark.skipif(capabilities.GATHERED_CONTEXT_DEPTH_ATTR is not None,
                     reason="this deepspeed release marks what GatheredParameters holds: the solo forward is silent")
-def test_without_the_mark_a_solo_forward_under_gathered_parameters_stops_every_rank():
-    """Before 0.19.4 nothing tells a context's parameters from others: the solo forward releases them, as
-    upstream's does, so it is not silent, and the order check after the next backward stops every rank with the
-    divergence named, instead of a later mismatched collective."""
+def test_without_the_mark_a_solo_forward_before_a_backward_stops_every_rank():
+    """Before 0.19.4 nothing tells the context's hold on what the forward kept for its backward from the runtime's
+    own keeping: the solo forward releases it at each module, as upstream's does, and gathers it again, so it is
+    not silent. The pass agreement before its first all-gather stops every rank with the passes named, rank 0 in its
+    solo forward and rank 1 in its backward, instead of a mismatched collective."""
     rank = torch.distributed.get_rank()
     torch.manual_seed(0)
     model = model_b()
-    engine = training_engine(model, zero3_config(bucket=20_000, reuse=0))
-    with deepspeed.zero.GatheredParameters(list(model.parameters())):
-        if rank == 0:
-            with torch.no_grad():
-                model(batch(200, 0))
-    with pytest.raises(RuntimeError, match="ranks ran different modules") as raised:
-        train_step(engine, batch(0, rank))
-    assert "rank 0: began a eval_forward pass at this point; rank 1: began a forward pass" in str(raised.value)
+    engine = training_engine(model, zero3_config(bucket=20_000, reuse=10**9))
+    train_step(engine, batch(0, rank))
+    loss = mse_loss(engine(batch(1, rank)))
+    with pytest.raises(deepspeed_zero3.RanksInDifferentPasses) as raised:
+        with deepspeed.zero.GatheredParameters(list(model.parameters())):
+            if rank == 0:
+                with torch.no_grad():
+                    model(batch(200, 0))
+        engine.backward(loss)
+    assert "rank 0: eval_forward pass" in str(raised.value) and "rank 1: backward pass" in str(raised.value)
     deepspeed_zero3.abandon_step(engine)
     engine.destroy()
 
@@ -311,7 +315,6 @@ def test_one_rank_forward_between_a_forward_and_its_backward(make_model):
     assert all(torch.equal(a, b) for a, b in zip(params, expected_params, strict=True))
 
 
-@needs_gathered_context_mark
 def test_grad_forward_on_one_rank_under_gathered_parameters_keeps_the_ranks_in_step():
     """Rank 0 alone runs a forward with grad enabled inside GatheredParameters (a loss logged without no_grad).
     It gathers nothing, so it must not count as a forward before the next backward: that count decides what the

@@ -9,7 +9,6 @@ import torch.utils.checkpoint
 
 import deepspeed
 import deepspeed_zero3
-from deepspeed_zero3.runtime.zero import capabilities
 from deepspeed_zero3.runtime.zero.registry_lookup import coordinator_of
 from deepspeed_zero3.testing.engines import batch, gathered_copies, mse_loss, training_engine, zero3_config
 from deepspeed_zero3.testing.models import ReadsAhead
@@ -34,9 +33,6 @@ class CheckpointedExternalRead(torch.nn.Module):
         return self.out(h @ self.inner.a.weight)
 
 
-@pytest.mark.skipif(capabilities.GATHERED_CONTEXT_DEPTH_ATTR is None,
-                    reason="this deepspeed release's GatheredParameters does not mark what it holds (from 0.19.4): a "
-                    "forward on one rank under it releases parameters, and the order check stops every rank")
 @pytest.mark.parametrize("solo_kind", ["no_grad", "grad", "grad_checkpointed", "grad_by_reference"])
 def test_solo_forward_after_checkpointed_external_reads_keeps_ranks_in_step(solo_kind):
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()

@@ -247,12 +247,12 @@ def test_release_leaves_a_held_parameter_exactly_as_it_is():
     assert residency.parked() == (a, ) and residency.gathered() == (a, ) and a in gatherer.inflight
 
 
-def test_release_forgets_a_parameter_in_use_without_partitioning_it():
+def test_release_leaves_a_parameter_in_use_gathered_and_recorded():
     residency, _ = _residency()
     (a, ) = _gathered(residency, zparam(0, 10))
     a.ds_active_sub_modules.add(3)
-    assert residency.release(a, partition=lambda p: 1 / 0) is Released.FORGOTTEN
-    assert residency.gathered() == () and a.ds_status == ZeroParamStatus.AVAILABLE
+    assert residency.release(a, partition=lambda p: 1 / 0) is Released.IN_USE
+    assert residency.gathered() == (a, ) and residency.recorded(a) and a.ds_status == ZeroParamStatus.AVAILABLE
 
 
 def test_release_completes_a_gather_in_flight_and_unregisters_it():

@@ -492,8 +492,8 @@ class PartitionedParameterCoordinator:
             for param in params:
                 param.ds_active_sub_modules.discard(submodule.ds_id)
                 if (param.ds_persist or param.is_external_param or not releasable(param)
-                        or param.ds_status != ZeroParamStatus.AVAILABLE):
-                    continue
+                        or param.ds_status != ZeroParamStatus.AVAILABLE or not self.residency.recorded(param)):
+                    continue  # not this module's to release: in use, held, persistent, or gathered by another
                 if prefetcher is not None and prefetcher.holds(param, step):
                     prefetcher.adopt(param)
                     continue

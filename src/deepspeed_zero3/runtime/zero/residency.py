@@ -41,8 +41,12 @@ One ``Residency`` per coordinator answers "why is this parameter gathered right 
   ``get_zero3_stats``' ``live_by_reason``.
 * One predicate says whether a gathered parameter may be released, ``releasable`` (no module uses
   it, no ``GatheredParameters`` holds it), and one path releases it, ``Residency.release``: held,
-  it is left exactly as it is, records included; in flight, its gather is completed; then it is
-  partitioned if gathered and unused, and forgotten. Two places partition on their own terms, as
+  it is left exactly as it is, records included; in flight, its gather is completed; in use, it
+  stays gathered and recorded (its module's release comes for it); else it is partitioned if
+  gathered, and forgotten. A module's release releases only what this coordinator gathered
+  (``recorded``): a parameter some other code gathered (a ``GatheredParameters`` on a release
+  that does not mark what it holds, a direct ``all_gather()``) is left to it, so a forward that one
+  rank alone runs under such a context is silent on every release. Two places partition on their own terms, as
   upstream's contracts require: ``release_and_reset_all`` (every parameter, persistent ones too, at
   ``step()``) and the load path (``partition(has_been_updated=True)``: the loaded values become the
   partition).
@@ -85,7 +89,8 @@ class Released(enum.Enum):
     """What ``Residency.release`` did."""
     HELD = "left as it is: a GatheredParameters holds it"
     PARTITIONED = "partitioned and forgotten"
-    FORGOTTEN = "forgotten: not gathered, or a module uses it"
+    IN_USE = "left gathered and recorded: a module uses it, and its release releases it"
+    FORGOTTEN = "forgotten: not gathered"
 
 
 class Reason(enum.Enum):
@@ -260,11 +265,18 @@ class Residency:
         # left it registered. Released unregistered, it would be refused as "in flight" at its next gather.
         self._gatherer.inflight.pop(param, None)
         outcome = Released.FORGOTTEN
-        if param.ds_status == ZeroParamStatus.AVAILABLE and not param.ds_active_sub_modules:
+        if param.ds_status == ZeroParamStatus.AVAILABLE:
+            if param.ds_active_sub_modules:
+                return Released.IN_USE  # still ours: the module's own release comes for it
             (partition or release_gathered)(param)  # [Note: releasing a gathered parameter]
             outcome = Released.PARTITIONED
         self.forget(param)
         return outcome
+
+    def recorded(self, param: Parameter) -> bool:
+        """Whether this coordinator gathered ``param`` and has not released it: only those are its to release
+        ([Note: residency])."""
+        return param in self._gathered
 
     def gathered(self) -> Tuple[Parameter, ...]:
         """The recorded gathered parameters, in gather order (a snapshot: releasing while iterating is safe)."""
