@@ -50,9 +50,6 @@ def test_a_capped_forward_keeps_the_tail_for_backward(cap):
         assert forward["allgather_numel"] == MODEL_A and forward["demand_numel"] == 0, forward
         assert backward["allgather_numel"] == MODEL_A - kept and backward["demand_numel"] == 0, backward
         assert forward["peak_live_numel"] == forward_peak and backward["peak_live_numel"] == backward_peak
-        assert max(forward_peak, backward_peak) <= cap + BUCKET + UP
-        gathered = (forward["allgather_numel"] + backward["allgather_numel"]) / MODEL_A
-        assert abs(gathered - (2 - kept / MODEL_A)) < 0.05
     assert deepspeed_zero3.get_zero3_stats(engine)["live_numel"] == 0
     engine.destroy()
 

@@ -75,7 +75,6 @@ def test_a_cap_keeps_the_first_modules_and_gathers_only_the_rest():
     # (the third block's down, then the last three blocks and the head: 49,604 of it on demand).
     assert evals == [("eval_forward", MODEL_B, 49_604, 100_544)] + [
         ("eval_forward", MODEL_B - KEPT_HALF, 49_604, 100_544)] * 3
-    assert max(peak for _, _, _, peak in evals) <= HALF + UP  # the cap + the module in use
     assert live == KEPT_HALF
     forward = passes[len(evals)]
     assert forward[0] == "forward" and forward[1] == MODEL_B - KEPT_HALF  # the kept prefix is used, not re-gathered

@@ -50,7 +50,6 @@ def test_values_order_and_exact_counts():
     assert all(torch.equal(t, e) for (_, t), e in zip(got, expected, strict=True))
     assert (stream.stats.allgather_calls, stream.stats.allgather_numel, stream.stats.peak_gathered_numel) == (
         BUCKETS, MODEL_B, PEAK)
-    assert PEAK <= 2 * BUCKET + stream.largest_unit
     assert nothing_gathered(model) and stream.stats.gathered_numel == 0
     engine.destroy()
 
