@@ -6,14 +6,12 @@ generate() that stopped at its own end-of-sequence token), rank 1 runs 18, then 
 all-gathers are counted at torch.distributed, below deepspeed.
 """
 
-import contextlib
 
 import pytest
 import torch
 
-import deepspeed
-import deepspeed.comm.comm
 import deepspeed_zero3
+from deepspeed_zero3.testing.collectives import parameter_gathers
 from deepspeed_zero3.testing.engines import batch, gathered_copies, mse_loss, training_engine, zero3_config
 
 LAYER = 16 * 16 + 16
@@ -32,25 +30,6 @@ class SameLayers(torch.nn.Module):
         for layer in self.layers:
             x = torch.tanh(layer(x))
         return x
-
-
-@contextlib.contextmanager
-def parameter_gathers():
-    """Counts the all-gathers that carry parameter shards: calls of the torch.distributed function deepspeed's
-    backend gathers into a flat tensor with (``all_gather_into_tensor``, bound when deepspeed initialized)."""
-    backend = deepspeed.comm.comm.cdb
-    original = backend.all_gather_function
-    counted = {"calls": 0}
-
-    def wrapped(*args, **kwargs):
-        counted["calls"] += 1
-        return original(*args, **kwargs)
-
-    backend.all_gather_function = wrapped
-    try:
-        yield counted
-    finally:
-        backend.all_gather_function = original
 
 
 def train(engine, step):

@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 
+import deepspeed
 import pytest
 
 SCENARIOS = ("steady_training", "validate_fit")
@@ -58,10 +59,14 @@ def test_counts_of_a_steady_training_step(bench):
 
 
 def test_upstream_crash_is_recorded_not_fatal(bench):
+    """Upstream 0.19.8's coordinator stops validate-then-fit with an assertion on a parameter still in flight; the
+    driver records it as the scenario's status and goes on (ours' status is checked above)."""
     _, results, _ = bench
+    if deepspeed.__version__ != "0.19.8":
+        pytest.skip(f"upstream's outcome is measured on deepspeed 0.19.8; this is {deepspeed.__version__}")
     upstream = results["summary"]["validate_fit"]["upstream"]
-    if upstream["status"] == "crash":
-        assert upstream["error"].split(":")[0] in ("AssertionError", "IndexError"), upstream["error"]
+    assert upstream["status"] == "crash", upstream
+    assert upstream["error"].startswith("AssertionError: {'id': ") and "'status': 'INFLIGHT'" in upstream["error"]
 
 
 def test_table_and_plots(bench):
