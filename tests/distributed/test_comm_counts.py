@@ -12,9 +12,9 @@ import torch
 import deepspeed_zero3
 from deepspeed_zero3.testing.engines import batch, mse_loss, training_engine, zero3_config
 from deepspeed_zero3.testing.instrument import GatherMeter
-from deepspeed_zero3.testing.models import count_params, model_a
+from deepspeed_zero3.testing.models import MODEL_A_NUMEL, count_params, model_a
 
-MODEL_A = 6_312_196
+MODEL_A = MODEL_A_NUMEL
 UP, DOWN, INP, HEAD = 263_168, 262_400, 4_352, 1_028
 PARAM_MODULES = 26  # inp, 24 block Linears, head
 

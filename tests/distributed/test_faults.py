@@ -7,12 +7,12 @@ import deepspeed
 import deepspeed_zero3
 from deepspeed_zero3.testing.engines import (batch, gathered_copies, inference_engine, mse_loss, train_step,
                                              training_engine, zero3_config)
-from deepspeed_zero3.testing.models import model_b
+from deepspeed_zero3.testing.models import MODEL_B_NUMEL, model_b
 
 CONFIG = zero3_config(bucket=20_000, reuse=0)
 # Block 3 of Model B (up 16,640 + down 16,448): prefetched for the backward that fails just before it.
 BACKWARD_PREFETCH_AT_FAULT = 33_088
-MODEL_B = 199_876  # numel of every non-persistent parameter
+MODEL_B = MODEL_B_NUMEL  # numel of every non-persistent parameter
 
 
 class Boom(RuntimeError):

@@ -10,9 +10,9 @@ import torch
 
 import deepspeed_zero3
 from deepspeed_zero3.testing.engines import batch, mse_loss, training_engine, zero3_config
-from deepspeed_zero3.testing.models import model_a
+from deepspeed_zero3.testing.models import MODEL_A_NUMEL, model_a
 
-MODEL_A = 6_312_196
+MODEL_A = MODEL_A_NUMEL
 BLOCK, UP, DOWN, HEAD = 525_568, 263_168, 262_400, 1_028
 BUCKET = 100_000
 DEFAULT = 1_000_000_000

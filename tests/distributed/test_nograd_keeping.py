@@ -11,9 +11,9 @@ import torch
 import deepspeed
 import deepspeed_zero3
 from deepspeed_zero3.testing.engines import batch, gathered_copies, mse_loss, training_engine, zero3_config
-from deepspeed_zero3.testing.models import model_b
+from deepspeed_zero3.testing.models import MODEL_B_NUMEL, model_b
 
-MODEL_B = 199_876
+MODEL_B = MODEL_B_NUMEL
 INP, UP, DOWN, HEAD = 1_088, 16_640, 16_448, 260
 BUCKET = 20_000
 DEFAULT = 1_000_000_000

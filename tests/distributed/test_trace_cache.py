@@ -11,9 +11,9 @@ import torch
 import deepspeed_zero3
 from deepspeed_zero3.testing.engines import (batch, gathered_copies, inference_engine, mse_loss, training_engine,
                                              zero3_config)
-from deepspeed_zero3.testing.models import model_b, TinyGPT
+from deepspeed_zero3.testing.models import MODEL_B_NUMEL, TinyGPT, model_b
 
-MODEL_B = 199_876
+MODEL_B = MODEL_B_NUMEL
 AUX = 64 * 64 + 64
 KEPT = 260 + 16_448  # head + the last down, which a forward keeps for its backward ([Note: budgeted keeping])
 

@@ -16,12 +16,12 @@ import deepspeed
 import deepspeed_zero3
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 from deepspeed_zero3.testing.engines import batch, gathered_copies, train_step, training_engine, zero3_config
-from deepspeed_zero3.testing.models import model_b
+from deepspeed_zero3.testing.models import MODEL_B_NUMEL, model_b
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "parity"))
 from scenarios_nvme import swap_pool_needs_accelerator_pinning  # noqa: E402
 
-MODEL_B = 199_876
+MODEL_B = MODEL_B_NUMEL
 BUCKET = 20_000
 BUCKETS = 12
 PEAK = 17_728 + 16_448

@@ -17,8 +17,8 @@ from typing import Dict, List, Optional, Tuple
 
 from deepspeed_zero3.bench import RUNTIMES
 from deepspeed_zero3.bench.tables import markdown_table
+from deepspeed_zero3.testing.models import MODEL_A_NUMEL
 
-MODEL_A_NUMEL = 6_312_196
 DEFAULT = 1_000_000_000
 CAPS = (("default", None), ("50%", 0.5), ("25%", 0.25), ("10%", 0.1))
 REUSES = (("0", 0), ("default", DEFAULT))

@@ -38,12 +38,11 @@ MODEL_NUMEL = 853_120
 
 def tiny_llama():
     """Four Llama layers from a config (never downloaded): 853,120 parameters, the largest module 98,304."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from deepspeed_zero3.testing.models import llama_from_config
 
-    config = LlamaConfig(vocab_size=768, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=128, bos_token_id=0,
-                         eos_token_id=1, pad_token_id=0)
-    return LlamaForCausalLM(config)
+    return llama_from_config(vocab_size=768, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                             num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=128, bos_token_id=0,
+                             eos_token_id=1, pad_token_id=0)
 
 
 # ---------------------------------------------------------------------------------------------- worker
@@ -130,7 +129,7 @@ def worker(argv) -> None:
     import torch
 
     import deepspeed
-    import deepspeed.runtime.zero.parameter_offload as parameter_offload
+    from deepspeed_zero3.bench.runtime import runtime_name
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -141,7 +140,7 @@ def worker(argv) -> None:
     torch.set_num_threads(1)
     deepspeed.init_distributed(dist_backend="gloo", timeout=datetime.timedelta(seconds=300))
     rank = torch.distributed.get_rank()
-    runtime = "ours" if "deepspeed_zero3" in parameter_offload.__file__ else "upstream"
+    runtime = runtime_name()
     results = {"runtime": runtime, "torch": torch.__version__, "deepspeed": deepspeed.__version__, "settings": {}}
     for setting in SETTINGS:
         try:

@@ -75,7 +75,8 @@ def main(argv=None) -> int:
         step(i)
     for name, original in saved:
         setattr(cls, name, original)
-    runtime = "ours" if "deepspeed_zero3" in coordinator_module.__file__ else "upstream"
+    from deepspeed_zero3.bench.runtime import runtime_name
+    runtime = runtime_name()
     print(f"{runtime}: {1e6 * spent['seconds'] / spent['fetches']:.1f} us per module fetch + release, "
           f"{1e6 * spent['cpu_seconds'] / spent['fetches']:.1f} us of it CPU (rank {torch.distributed.get_rank()} of "
           f"{torch.distributed.get_world_size()}, reuse {args.reuse}, "

@@ -40,6 +40,7 @@ import torch
 
 import deepspeed
 import deepspeed.runtime.zero.parameter_offload as parameter_offload
+from deepspeed_zero3.bench.runtime import runtime_name  # noqa: F401  (the soak worker imports it from here)
 import deepspeed.runtime.zero.partitioned_param_coordinator as coordinator_module
 
 from deepspeed_zero3.bench import DEFAULT_BUCKET, DEFAULT_STEPS, DEFAULT_WARMUP, SCENARIOS
@@ -51,10 +52,6 @@ from deepspeed_zero3.testing.models import count_params
 
 SCENARIO_TIMEOUT_S = int(os.environ.get("DEEPSPEED_ZERO3_BENCH_SCENARIO_TIMEOUT", "600"))
 PG_TIMEOUT_S = int(os.environ.get("DEEPSPEED_ZERO3_BENCH_PG_TIMEOUT", "120"))
-
-
-def runtime_name() -> str:
-    return "ours" if "deepspeed_zero3" in (parameter_offload.__file__ or "") else "upstream"
 
 
 def first_line(exc: BaseException) -> str:

@@ -58,18 +58,18 @@ def build_model(name: str):
     if name == "b":
         from deepspeed_zero3.testing.models import model_b
         return model_b()
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from deepspeed_zero3.testing.models import llama_from_config
     small = name == "llama"
-    config = LlamaConfig(vocab_size=128 if small else 4096,
-                         hidden_size=64 if small else 1024,
-                         intermediate_size=128 if small else 2816,
-                         num_hidden_layers=2 if small else 8,
-                         num_attention_heads=4 if small else 16,
-                         num_key_value_heads=2 if small else 8,
-                         max_position_embeddings=256,
-                         tie_word_embeddings=False)
-    config._attn_implementation = "eager"  # deterministic backward, for bitwise parity across processes
-    return LlamaForCausalLM(config)
+    # Eager attention: a deterministic backward, for bitwise parity across processes.
+    return llama_from_config(attn_implementation="eager",
+                             vocab_size=128 if small else 4096,
+                             hidden_size=64 if small else 1024,
+                             intermediate_size=128 if small else 2816,
+                             num_hidden_layers=2 if small else 8,
+                             num_attention_heads=4 if small else 16,
+                             num_key_value_heads=2 if small else 8,
+                             max_position_embeddings=256,
+                             tie_word_embeddings=False)
 
 
 def ds_config(args) -> dict:
@@ -114,8 +114,8 @@ class Data:
 
 
 def served() -> bool:
-    import deepspeed.runtime.zero.partitioned_param_coordinator as coordinator
-    return "deepspeed_zero3" in (getattr(coordinator, "__file__", "") or "")
+    from deepspeed_zero3.bench.runtime import runtime_name
+    return runtime_name() == "ours"
 
 
 def digest(module) -> str:
