@@ -2,7 +2,7 @@
 
 The names are read from the installed upstream files when the test runs (each loaded by path under a
 private name, next to ours in this process), so a new upstream version is checked against its own list.
-See [Note: upstream's module names] in partitioned_param_coordinator.py.
+See [Note: upstream's module names] in runtime/zero/upstream_names.py.
 """
 
 import ast

@@ -136,7 +136,7 @@ def _announce_getter_gather(key, param) -> None:
     """Upstream's debug line for a gather in the getter, through ``parameter_offload.print_rank_0``.
 
     Looked up on that module when called, so patching the name there has the effect it has upstream
-    ([Note: upstream's module names] in partitioned_param_coordinator.py).
+    ([Note: upstream's module names] in upstream_names.py).
     """
     offload = sys.modules.get("deepspeed_zero3.runtime.zero.parameter_offload")
     if offload is not None:
