@@ -1,6 +1,6 @@
 """Host time per module fetch + release of the tiny-module model, in one process or more, optionally profiled.
 
-    python -m deepspeed_zero3.bench.hostcost [--reuse 1000000000] [--profile]
+    python -m deepspeed_zero3.bench.hostcost [--reuse 1000000000] [--profile] [--trip]
     DEEPSPEED_ZERO3=0 python -m deepspeed_zero3.bench.hostcost      # upstream's runtime
     deepspeed --num_gpus 2 --no_local_rank --module deepspeed_zero3.bench.hostcost --reuse 1000000000   # 2 ranks
 
@@ -10,8 +10,10 @@ wait for: what is left is host work (bookkeeping, upstream's partition and gathe
 launcher each rank also pays for splitting the real gathers.
 Builds the ``tiny_modules`` model of the benchmark, runs 3 warm-up training steps, times
 ``fetch_sub_module`` and ``release_sub_module`` over 3 more (wall and this thread's CPU time), and with
-``--profile`` prints a cProfile of 2 further steps (sorted by ``--sort``). Run it under the heavy lock like
-any benchmark.
+``--profile`` prints a cProfile of 2 further steps (sorted by ``--sort``). ``--trip`` prints the runtime files one
+module's fetch and release pass through (ours and upstream's, under ``runtime/``) and how many calls cross from
+one of them to another, traced with ``sys.setprofile`` around the middle module of a forward. Run it under the
+heavy lock like any benchmark.
 """
 
 import argparse
@@ -28,6 +30,8 @@ def main(argv=None) -> int:
     parser.add_argument("--profile", action="store_true", help="print a cProfile of two more steps")
     parser.add_argument("--sort", default="tottime", help="cProfile sort key (default tottime)")
     parser.add_argument("--lines", type=int, default=30, help="cProfile lines shown (default 30)")
+    parser.add_argument("--trip", action="store_true", help="print the runtime files one module's fetch and release "
+                        "pass through, and the calls between them")
     parser.add_argument("--dump", default=None, help="with --profile: also write the raw cProfile stats here "
                         "(rank appended), for pstats' callers/callees views")
     args = parser.parse_args(argv)
@@ -83,8 +87,12 @@ def main(argv=None) -> int:
           f"{spent['fetches']} fetches)")
     if torch.distributed.get_rank() == 0:
         # Under the launcher the ranks import the installed package, not this checkout's src/: a stale
-        # install measures old code (the second stop of issue 13 did, 0.76 instead of 0.57-0.70).
+        # install measures old code.
         print(f"coordinator: {coordinator_module.__file__}")
+    if args.trip:
+        files, crossings = trip(cls, model[TINY_MODULES // 2], lambda: step(8))
+        print(f"trip: one module's fetch + release passes through {len(files)} runtime files, {crossings} calls "
+              f"between them: " + ", ".join(files))
     if args.profile:
         profile = cProfile.Profile()
         profile.enable()
@@ -96,6 +104,61 @@ def main(argv=None) -> int:
             profile.dump_stats(f"{args.dump}.{os.environ['RANK']}")
     sys.stdout.flush()
     os._exit(0)  # the process group and engine need no orderly teardown here
+
+
+def runtime_file(path: str):
+    """The short name of a runtime file of ours or upstream's (``zero3:gather.py``, ``deepspeed:stage3.py``), None for
+    any other file."""
+    for marker, label in (("/deepspeed_zero3/runtime/", "zero3"), ("/deepspeed/runtime/", "deepspeed")):
+        if marker in path:
+            return f"{label}:{path.split(marker, 1)[1]}"
+    return None
+
+
+def trip(cls, module, run_step):
+    """Trace ``module``'s forward fetch and release during ``run_step()``: the runtime files entered, in order of
+    first entry, and the calls whose caller and callee are different runtime files."""
+    files, crossings, tracing = {}, [0], [False]
+
+    def profiler(frame, event, _arg):
+        if event != "call":
+            return
+        callee = runtime_file(frame.f_code.co_filename)
+        if callee is None:
+            return
+        files.setdefault(callee, None)
+        caller = runtime_file(frame.f_back.f_code.co_filename) if frame.f_back is not None else None
+        if caller is not None and caller != callee:
+            crossings[0] += 1
+
+    saved = []
+    for name in ("fetch_sub_module", "release_sub_module"):
+        original = getattr(cls, name)
+        saved.append((name, original))
+
+        def traced(self, sub_module, *a, _original=original, **k):
+            watch = sub_module is module and not tracing[0] and not torch_grad_engine_running()
+            if watch:
+                sys.setprofile(profiler)
+            try:
+                return _original(self, sub_module, *a, **k)
+            finally:
+                if watch:
+                    sys.setprofile(None)
+
+        setattr(cls, name, traced)
+    try:
+        run_step()
+    finally:
+        for name, original in saved:
+            setattr(cls, name, original)
+    return list(files), crossings[0]
+
+
+def torch_grad_engine_running() -> bool:
+    """Inside a backward: the trip follows the forward's fetch and release only."""
+    import torch
+    return torch._C._current_graph_task_id() != -1
 
 
 if __name__ == "__main__":
