@@ -53,20 +53,21 @@ def iter_gathered_parameters(model_or_engine, bucket_numel: Optional[int] = None
                         units, bucket_numel)
 
 
-def stream_module(target) -> Module:
-    """The module a stream (or a save) reads: the engine's, or ``target`` itself."""
-    return _module_of(target)
+def stream_module(target, api: str = "iter_gathered_parameters") -> Module:
+    """The module a stream (or a save, or the local shards) reads: the engine's, or ``target`` itself; ``api`` names
+    the caller in the error for anything else."""
+    return _module_of(target, api)
 
 
-def _module_of(target) -> Module:
+def _module_of(target, api: str = "iter_gathered_parameters") -> Module:
     from deepspeed.runtime.engine import DeepSpeedEngine
 
     if isinstance(target, DeepSpeedEngine):
         return target.module
     if isinstance(target, Module):
         return target
-    raise TypeError(f"iter_gathered_parameters expects the engine deepspeed.initialize returned, or its model (an "
-                    f"nn.Module); got {type(target).__name__}")
+    raise TypeError(f"{api} expects the engine deepspeed.initialize returned, or its model (an nn.Module); got "
+                    f"{type(target).__name__}")
 
 
 def _coordinator_of(module: Module):
