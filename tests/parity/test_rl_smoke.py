@@ -76,3 +76,20 @@ def test_sync_to_inference_example(tmp_path):
     assert launched.returncode == 0, text[-4000:]
     assert text.count("the receiver's weights equal the trainer's bitwise, and its 16 generated tokens too") == 2
     assert "sync to inference: the receiver matched the trainer after every step" in text
+
+
+def test_delta_sync_example(tmp_path):
+    """Each trainer rank sends the receiver only the bf16 elements of its own shards that changed, with no gather:
+    the receiver's weights equal the trainer's bitwise after every step; the first sync sends everything, later ones
+    less (bf16 rounding leaves some elements as they were)."""
+    log = tmp_path / "delta_sync.log"
+    launched = launching.run(
+        lambda port: launching.deepspeed_command(2, port, [str(REPO / "examples" / "delta_sync.py"), "--steps", "3"]),
+        launching.runtime_env("ours", 2, DS_ACCELERATOR="cpu"), TIMEOUT_S, log=log)
+    text = log.read_text()
+    assert launched.returncode == 0, text[-4000:]
+    lines = [line for line in text.splitlines() if "the receiver's weights equal the trainer's bitwise" in line]
+    assert len(lines) == 3, text[-4000:]
+    assert "sent 220,544 of 220,544 bf16 elements (100.0%)" in lines[0]
+    assert all("(100.0%)" not in line for line in lines[1:]), lines
+    assert "delta sync: the receiver matched the trainer after every step" in text
