@@ -9,7 +9,7 @@ any gather) and tensor by tensor, so rank 0 holds one tensor's copy plus the str
 is held until it is full. The layout is ``save_pretrained``'s: ``model.safetensors`` or
 ``model-0000i-of-0000n.safetensors`` with ``model.safetensors.index.json`` (``pytorch_model*.bin`` with
 ``safe_serialization=False``), names as ``state_dict()`` gives them, persistent buffers included, shards
-split as huggingface_hub splits them. A tied parameter is written once, under its first name, as
+split as huggingface_hub splits them (``plan_shards``). A tied parameter is written once, under its first name, as
 ``save_pretrained`` writes it; upstream's dict holds it under every name. Values are bitwise upstream's.
 Everything that can be wrong with the arguments is refused before any gather; one small all_reduce first
 makes every rank refuse together when rank 0 cannot write the directory.
@@ -20,7 +20,7 @@ import os
 import re
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch.nn import Module
@@ -113,11 +113,16 @@ def plan_entries(module: Module, stream, exclude_frozen: bool, merged: bool) -> 
 
 
 def plan_shards(entries: List[Entry], max_bytes: int) -> List[List[Entry]]:
-    """Consecutive entries per shard; a new shard begins where the next tensor would pass ``max_bytes`` (a tensor
-    larger than that has a shard of its own)."""
+    """The entries of each shard, as huggingface_hub's ``split_state_dict_into_shards_factory`` splits them: in
+    order, a new shard begins where the next tensor would pass ``max_bytes``; a tensor larger than that gets a shard
+    of its own, listed where it comes, and the shard being filled goes on after it (so a shard's entries need not
+    be consecutive). An empty model has one empty shard."""
     shards, current, size = [], [], 0
     for entry in entries:
-        if current and size + entry.nbytes > max_bytes:
+        if entry.nbytes > max_bytes:
+            shards.append([entry])
+            continue
+        if size + entry.nbytes > max_bytes:
             shards.append(current)
             current, size = [], 0
         current.append(entry)
@@ -175,29 +180,48 @@ def _agree_on_directory(save_dir: str, rank: int, world: int) -> None:
                          f"({problem or 'see rank 0'})")
 
 
-def _write_shards(tensors, shards, files, save_dir: str, safe: bool, rank: int) -> None:
-    """Rank 0 writes each shard as the stream fills it; the other ranks iterate alike (each bucket a collective)."""
-    for shard, file_name in zip(shards, files):
-        path = os.path.join(save_dir, file_name)
-        writer = SafetensorsWriter(path, [(e.name, e.dtype, e.shape) for e in shard]) if safe and rank == 0 else None
-        held = OrderedDict()
-        for entry in shard:
-            if entry.buffer is None:
-                name, tensor = next(tensors)
-                if name != entry.name:
-                    raise RuntimeError(f"save_16bit_model: the stream gave {name!r} where the plan has {entry.name!r}")
-            else:
-                tensor = entry.buffer
-            if rank != 0:
-                continue
-            if writer is not None:
-                writer.append(entry.name, tensor)
-            else:
-                held[entry.name] = tensor.detach().to("cpu", copy=True)
-        if writer is not None:
-            writer.close()
-        elif rank == 0:
-            torch.save(held, path)
+def _write_shards(tensors, entries, shards, files, save_dir: str, safe: bool, rank: int) -> None:
+    """Rank 0 writes each shard as the stream fills it, in the stream's (the model's) order: a shard's file is
+    opened at its first entry and closed at its last, so an oversized tensor's own file is open beside the shard
+    being filled, and no other; the other ranks iterate alike (each bucket a collective)."""
+    shard_of = {id(entry): index for index, shard in enumerate(shards) for entry in shard}
+    left = [len(shard) for shard in shards]
+    open_files: Dict[int, object] = {}
+
+    def finish(index: int) -> None:
+        written = open_files.pop(index, None)
+        path = os.path.join(save_dir, files[index])
+        if safe:
+            (written or SafetensorsWriter(path, [])).close()
+        else:
+            torch.save(written if written is not None else OrderedDict(), path)
+
+    for entry in entries:
+        if entry.buffer is None:
+            name, tensor = next(tensors)
+            if name != entry.name:
+                raise RuntimeError(f"save_16bit_model: the stream gave {name!r} where the plan has {entry.name!r}")
+        else:
+            tensor = entry.buffer
+        if rank != 0:
+            continue
+        index = shard_of[id(entry)]
+        if index not in open_files:
+            shard = shards[index]
+            open_files[index] = (SafetensorsWriter(os.path.join(save_dir, files[index]),
+                                                   [(e.name, e.dtype, e.shape) for e in shard])
+                                 if safe else OrderedDict())
+        if safe:
+            open_files[index].append(entry.name, tensor)
+        else:
+            open_files[index][entry.name] = tensor.detach().to("cpu", copy=True)
+        left[index] -= 1
+        if left[index] == 0:
+            finish(index)
+    if rank == 0:
+        for index, shard in enumerate(shards):
+            if not shard:
+                finish(index)  # an empty model's one file
     for _ in tensors:  # the stream's end: nothing left, but every rank finishes it alike
         raise RuntimeError("save_16bit_model: the stream has tensors the plan does not")
 
@@ -232,7 +256,7 @@ def save_16bit_model(model_or_engine, save_dir, max_shard_size="5GB", safe_seria
 
     tensors = iter(stream)
     try:
-        _write_shards(tensors, shards, files, save_dir, safe_serialization, rank)
+        _write_shards(tensors, entries, shards, files, save_dir, safe_serialization, rank)
     except Exception as error:
         stream.note_error(error)  # the other ranks' error names it ([Note: a stream stops together])
         tensors.close()
