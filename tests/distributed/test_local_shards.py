@@ -18,7 +18,7 @@ from deepspeed_zero3.testing.engines import batch, gathered_copies, train_step, 
 from deepspeed_zero3.testing.models import model_b
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "parity"))
-from scenarios_nvme import swap_pool_needs_accelerator_pinning  # noqa: E402
+from scenarios_nvme import nvme_config, nvme_model, nvme_unavailable, swap_dir_for_all_ranks  # noqa: E402
 
 
 class WithOddSizes(torch.nn.Module):
@@ -116,29 +116,13 @@ def test_nvme_parameter_offload_is_refused_before_anything_is_yielded():
     """Partitions stored on NVMe are not in memory: the call refuses at once, naming the first such parameter and
     what to use instead; it reads and gathers nothing."""
     import shutil
-    import tempfile
 
-    from deepspeed.ops.op_builder import AsyncIOBuilder
-
-    from deepspeed_zero3.testing.models import ResidualMLP
-
-    if not AsyncIOBuilder().is_compatible():
-        pytest.skip("async_io op not available (install libaio-dev, then `make venv` builds the op)")
-    if swap_pool_needs_accelerator_pinning():
-        pytest.skip("this deepspeed release asserts that its NVMe swap buffers are pinned by the accelerator, which "
-                    "pins nothing here (the CPU accelerator): its swapper cannot start, under either runtime")
-    rank = torch.distributed.get_rank()
-    swap_dir = [tempfile.mkdtemp(prefix="zero3-shards-nvme-") if rank == 0 else None]
-    torch.distributed.broadcast_object_list(swap_dir, src=0)
-    config = zero3_config(bucket=5_000_000, reuse=0,
-                          offload_param={"device": "nvme", "nvme_path": swap_dir[0], "pin_memory": False,
-                                         "buffer_count": 2, "buffer_size": 600_000, "max_in_cpu": 0},
-                          offload_optimizer={"device": "cpu"})
-    config["bf16"] = {"enabled": True}
-    config["zero_force_ds_cpu_optimizer"] = False
+    if nvme_unavailable():
+        pytest.skip(nvme_unavailable())
+    swap_dir = swap_dir_for_all_ranks()
     try:
         torch.manual_seed(21)
-        engine = training_engine(ResidualMLP(inp=16, width=1024, hidden=1024, blocks=2, out=4), config)
+        engine = training_engine(nvme_model(), nvme_config(swap_dir, bucket=5_000_000, buffer_count=2))
         with parameter_gathers() as counted:
             with pytest.raises(ValueError, match=r"iter_local_shards: 4 parameter partition\(s\) live on NVMe "
                                                  r"\(offload_param.device: nvme\), first 'blocks.0.up.weight'; local "
@@ -148,5 +132,5 @@ def test_nvme_parameter_offload_is_refused_before_anything_is_yielded():
         engine.destroy()
     finally:
         torch.distributed.barrier()
-        if rank == 0:
-            shutil.rmtree(swap_dir[0], ignore_errors=True)
+        if torch.distributed.get_rank() == 0:
+            shutil.rmtree(swap_dir, ignore_errors=True)

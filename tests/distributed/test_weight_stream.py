@@ -19,7 +19,7 @@ from deepspeed_zero3.testing.engines import batch, gathered_copies, train_step, 
 from deepspeed_zero3.testing.models import MODEL_B_NUMEL, model_b
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "parity"))
-from scenarios_nvme import swap_pool_needs_accelerator_pinning  # noqa: E402
+from scenarios_nvme import nvme_config, nvme_model, nvme_unavailable, swap_dir_for_all_ranks  # noqa: E402
 
 MODEL_B = MODEL_B_NUMEL
 BUCKET = 20_000
@@ -196,30 +196,15 @@ def test_nvme_parameter_offload_within_the_swap_buffers():
     """Four 1 MiB partitions per rank on NVMe and two swap buffers: a bucket reads at most two of them, and is
     issued ahead only while buffers are free; values equal GatheredParameters, and every buffer is free after."""
     import shutil
-    import tempfile
 
-    from deepspeed.ops.op_builder import AsyncIOBuilder
-
-    from deepspeed_zero3.testing.models import ResidualMLP
-
-    if not AsyncIOBuilder().is_compatible():
-        pytest.skip("async_io op not available (install libaio-dev, then `make venv` builds the op)")
-    if swap_pool_needs_accelerator_pinning():
-        pytest.skip("this deepspeed release asserts that its NVMe swap buffers are pinned by the accelerator, which "
-                    "pins nothing here (the CPU accelerator): its swapper cannot start, under either runtime")
+    if nvme_unavailable():
+        pytest.skip(nvme_unavailable())
     rank = torch.distributed.get_rank()
-    swap_dir = [tempfile.mkdtemp(prefix="zero3-stream-nvme-") if rank == 0 else None]
-    torch.distributed.broadcast_object_list(swap_dir, src=0)
-    config = zero3_config(bucket=5_000_000, reuse=0,
-                          offload_param={"device": "nvme", "nvme_path": swap_dir[0], "pin_memory": False,
-                                         "buffer_count": 2, "buffer_size": 600_000, "max_in_cpu": 0},
-                          offload_optimizer={"device": "cpu"})
-    config["bf16"] = {"enabled": True}
-    config["zero_force_ds_cpu_optimizer"] = False
+    swap_dir = swap_dir_for_all_ranks()
     try:
         torch.manual_seed(21)
-        model = ResidualMLP(inp=16, width=1024, hidden=1024, blocks=2, out=4)
-        engine = training_engine(model, config)
+        model = nvme_model()
+        engine = training_engine(model, nvme_config(swap_dir, bucket=5_000_000, buffer_count=2))
         swapper = next(p.nvme_swapper for p in model.parameters() if getattr(p, "nvme_swapper", None) is not None)
         train_step(engine, batch(0, rank).to(torch.bfloat16))
         expected = gathered_copies(model.parameters())
@@ -235,7 +220,7 @@ def test_nvme_parameter_offload_within_the_swap_buffers():
     finally:
         torch.distributed.barrier()
         if rank == 0:
-            shutil.rmtree(swap_dir[0], ignore_errors=True)
+            shutil.rmtree(swap_dir, ignore_errors=True)
 
 
 def test_after_eval_forwards_kept_parameters_are_yielded_and_left_kept():

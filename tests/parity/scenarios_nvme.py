@@ -22,10 +22,10 @@ NVME_BUCKET = 1_100_000
 UNAVAILABLE = "async_io op not available (install libaio-dev, then `make venv` builds the op)"
 
 
-def nvme_config(swap_dir: str, bucket: int = NVME_BUCKET) -> dict:
+def nvme_config(swap_dir: str, bucket: int = NVME_BUCKET, buffer_count: int = 5) -> dict:
     config = zero3_config(bucket=bucket, reuse=0,
                           offload_param={"device": "nvme", "nvme_path": swap_dir, "pin_memory": False,
-                                         "buffer_count": 5, "buffer_size": 600_000, "max_in_cpu": 0},
+                                         "buffer_count": buffer_count, "buffer_size": 600_000, "max_in_cpu": 0},
                           offload_optimizer={"device": "cpu"})
     config["bf16"] = {"enabled": True}
     # The scenario's client torch Adam (no JIT-built CPU Adam op) runs on the offloaded optimizer states.
@@ -43,6 +43,16 @@ def swap_dir_for_all_ranks() -> str:
     name = [tempfile.mkdtemp(prefix="zero3-nvme-") if torch.distributed.get_rank() == 0 else None]
     torch.distributed.broadcast_object_list(name, src=0)
     return name[0]
+
+
+def nvme_unavailable():
+    """Why NVMe parameter offload cannot run here (a pytest skip reason), None if it can."""
+    if not AsyncIOBuilder().is_compatible():
+        return UNAVAILABLE
+    if swap_pool_needs_accelerator_pinning():
+        return ("this deepspeed release asserts that its NVMe swap buffers are pinned by the accelerator, which pins "
+                "nothing here (the CPU accelerator): its swapper cannot start, under either runtime")
+    return None
 
 
 def swap_pool_needs_accelerator_pinning() -> bool:
