@@ -47,6 +47,7 @@ class SafetensorsWriter:
         text += b" " * (-len(text) % 8)
         self.expected = [(name, dtype, tuple(shape)) for name, dtype, shape in entries]
         self.index = 0
+        self.staging = None  # one host buffer for device tensors, reused (grown to the largest): see ``append``
         self.handle = open(path, "wb")
         self.handle.write(struct.pack("<Q", len(text)))
         self.handle.write(text)
@@ -56,8 +57,19 @@ class SafetensorsWriter:
         if expected != (name, tensor.dtype, tuple(tensor.shape)):
             raise RuntimeError(f"safetensors writer: got {name!r} {tensor.dtype} {tuple(tensor.shape)}, the plan "
                                f"says {expected}")
-        data = tensor.detach().to("cpu").contiguous()
-        self.handle.write(data.reshape(-1).view(torch.uint8).numpy().tobytes() if data.numel() else b"")
+        # Written from the tensor's own memory when it is on the host, else through one reused host buffer: no
+        # allocation per tensor, whose freed blocks the C allocator would keep, growing the writer's resident memory
+        # with the model's size.
+        data = tensor.detach()
+        if data.numel():
+            raw = data.contiguous().reshape(-1).view(torch.uint8)
+            if raw.device.type != "cpu":
+                if self.staging is None or self.staging.numel() < raw.numel():
+                    self.staging = torch.empty(raw.numel(), dtype=torch.uint8)
+                staged = self.staging[:raw.numel()]
+                staged.copy_(raw)
+                raw = staged
+            self.handle.write(memoryview(raw.numpy()))
         self.index += 1
 
     def close(self) -> None:

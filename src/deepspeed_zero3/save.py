@@ -25,6 +25,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch.nn import Module
 
+from deepspeed_zero3.heap_trim import TRIM_INTERVAL_CAP, HeapTrim
 from deepspeed_zero3.safetensors_file import DTYPE_NAMES, SafetensorsWriter, nbytes
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -180,7 +181,7 @@ def _agree_on_directory(save_dir: str, rank: int, world: int) -> None:
                          f"({problem or 'see rank 0'})")
 
 
-def _write_shards(tensors, entries, shards, files, save_dir: str, safe: bool, rank: int) -> None:
+def _write_shards(tensors, entries, shards, files, save_dir: str, safe: bool, rank: int, heap: HeapTrim) -> None:
     """Rank 0 writes each shard as the stream fills it, in the stream's (the model's) order: a shard's file is
     opened at its first entry and closed at its last, so an oversized tensor's own file is open beside the shard
     being filled, and no other; the other ranks iterate alike (each bucket a collective)."""
@@ -203,6 +204,7 @@ def _write_shards(tensors, entries, shards, files, save_dir: str, safe: bool, ra
                 raise RuntimeError(f"save_16bit_model: the stream gave {name!r} where the plan has {entry.name!r}")
         else:
             tensor = entry.buffer
+        heap.streamed(entry.nbytes)  # [Note: the save's resident memory]
         if rank != 0:
             continue
         index = shard_of[id(entry)]
@@ -256,7 +258,8 @@ def save_16bit_model(model_or_engine, save_dir, max_shard_size="5GB", safe_seria
 
     tensors = iter(stream)
     try:
-        _write_shards(tensors, entries, shards, files, save_dir, safe_serialization, rank)
+        heap = HeapTrim(min(max_bytes, TRIM_INTERVAL_CAP))
+        _write_shards(tensors, entries, shards, files, save_dir, safe_serialization, rank, heap)
     except Exception as error:
         stream.note_error(error)  # the other ranks' error names it ([Note: a stream stops together])
         tensors.close()
