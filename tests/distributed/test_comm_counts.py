@@ -1,6 +1,6 @@
 """Exact all-gather counts, demand fetches and peak live numel per pass (FSDP2-style communication counts).
 
-Model A of the baseline (6,312,196 parameters): inp Linear(16,256) = 4,352; 12 blocks of
+Model A (6,312,196 parameters; testing/models.py): inp Linear(16,256) = 4,352; 12 blocks of
 up Linear(256,1024) = 263,168 and down Linear(1024,256) = 262,400; head Linear(256,4) = 1,028.
 Two ranks, persistence threshold 0, so every parameter is gathered. Steady state = after the
 first training step and the first eval forward recorded their traces.

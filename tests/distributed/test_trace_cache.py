@@ -1,6 +1,6 @@
 """Trace selection by what runs: alternation, training-only branches and generation loops stop re-recording.
 
-Model B of the baseline (199,876 parameters), bucket 20,000, reuse 0. Upstream 0.19.8 demand-fetches
+Model B (199,876 parameters; testing/models.py), bucket 20,000, reuse 0. Upstream 0.19.8 demand-fetches
 34,176 numel in every backward that follows an eval forward (17%); here, after the first cycle,
 no pass demand-fetches and no pass records a trace.
 """

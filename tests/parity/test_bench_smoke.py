@@ -55,7 +55,7 @@ def test_counts_of_a_steady_training_step(bench):
     assert ours["demand_per_cycle"] == 0 and ours["trace_records"] == 0
     assert ours["peak_live_pct"] < 50.0
     upstream = results["summary"]["steady_training"]["upstream"]
-    assert upstream["status"] == "ok" and upstream["peak_live_pct"] == 100.0  # the baseline's measurement
+    assert upstream["status"] == "ok" and upstream["peak_live_pct"] == 100.0  # upstream gathers the whole model
 
 
 def test_upstream_crash_is_recorded_not_fatal(bench):
