@@ -4,13 +4,16 @@
 
 Two trainer ranks train a TinyGPT under ZeRO-3. Trainer rank 0 starts a receiver process outside the training
 group: it holds a plain TinyGPT, the stand-in for an inference engine. Trainer rank 0 and the receiver share a
-second process group of their own (gloo here, NCCL on GPUs), built from a TCP store as RL stacks build theirs.
+second process group of their own (this example builds a gloo group, on CPU tensors; a sender over CUDA tensors needs an NCCL group), built from a TCP store as RL stacks build theirs.
 After every step the weights go over it:
 
 1. the metadata first (``stream.vllm_update_info()``: names, dtype names, shapes, and the bucket each is in),
    so the receiver allocates before any data;
 2. then each bucket of the weight stream as one flat buffer per dtype, with the next bucket's all-gather
    already in flight while rank 0 sends.
+
+``deepspeed_zero3.WeightSender(engine, group).send()`` on every trainer rank and
+``deepspeed_zero3.receive_weights(group, model)`` on the receiver do both steps.
 
 The receiver's weights must then equal the trainer's bitwise, and its greedy generation the trainer's. At the
 end rank 0 prints the sync time side by side with two others over the same group: the per-parameter pattern
@@ -20,7 +23,6 @@ bytes, prebuilt (the wire bound).
 
 import argparse
 import datetime
-import json
 import multiprocessing
 import socket
 import statistics
@@ -61,40 +63,7 @@ def broadcast(group, tensor: torch.Tensor, root: int = 0) -> None:
     group.broadcast([tensor], options).wait()
 
 
-def send_object(group, value) -> None:
-    payload = torch.frombuffer(bytearray(json.dumps(value).encode()), dtype=torch.uint8)
-    broadcast(group, torch.tensor([payload.numel()], dtype=torch.int64))
-    broadcast(group, payload)
-
-
-def receive_object(group):
-    length = torch.zeros(1, dtype=torch.int64)
-    broadcast(group, length)
-    payload = torch.empty(int(length.item()), dtype=torch.uint8)
-    broadcast(group, payload)
-    return json.loads(payload.numpy().tobytes().decode())
-
-
-def flat_by_dtype(names, tensors):
-    """One flat buffer per dtype, in name order: what one broadcast sends."""
-    buffers = {}
-    for name, tensor in zip(names, tensors):
-        buffers.setdefault(str(tensor.dtype).removeprefix("torch."), []).append(tensor.reshape(-1))
-    return {dtype: torch.cat(parts) for dtype, parts in sorted(buffers.items())}
-
-
 # ------------------------------------------------------------------ trainer side
-
-
-def send_weights(engine, group) -> None:
-    """Every trainer rank iterates the stream (each bucket is a collective); rank 0 also sends it."""
-    stream = deepspeed_zero3.iter_gathered_parameters(engine)
-    if group is not None:
-        send_object(group, {**stream.vllm_update_info(), "groups": stream.groups()})
-    for names, tensors in stream.iter_groups():
-        if group is not None:
-            for flat in flat_by_dtype(names, tensors).values():
-                broadcast(group, flat)
 
 
 def send_per_parameter(engine, group) -> None:
@@ -106,24 +75,6 @@ def send_per_parameter(engine, group) -> None:
 
 
 # ------------------------------------------------------------------ receiver side
-
-
-def receive_weights(model, group) -> None:
-    info = receive_object(group)
-    params = dict(model.named_parameters())
-    meta = {name: (dtype, shape) for name, dtype, shape in zip(info["names"], info["dtype_names"], info["shapes"])}
-    with torch.no_grad():
-        for names in info["groups"]:
-            by_dtype = {}
-            for name in names:
-                by_dtype.setdefault(meta[name][0], []).append(name)
-            for dtype in sorted(by_dtype):
-                shapes = [meta[name][1] for name in by_dtype[dtype]]
-                sizes = [int(torch.Size(shape).numel()) for shape in shapes]
-                flat = torch.empty(sum(sizes), dtype=getattr(torch, dtype))
-                broadcast(group, flat)
-                for name, piece, shape in zip(by_dtype[dtype], flat.split(sizes), shapes):
-                    params[name].copy_(piece.view(shape))
 
 
 @torch.no_grad()
@@ -144,12 +95,12 @@ def receiver(port: int, steps: int, new_tokens: int, timed: int) -> None:
     model = TinyGPT(**MODEL).eval()
     group = sync_group(1, port)
     for step in range(steps):
-        receive_weights(model, group)
+        deepspeed_zero3.receive_weights(group, model)
         for name, param in model.named_parameters():  # the trainer checks these bitwise
             broadcast(group, param.data.clone(), root=1)
         broadcast(group, greedy(model, prompt_for(step), new_tokens), root=1)
     for _ in range(timed):  # the side-by-side timings: the stream, per parameter, raw
-        receive_weights(model, group)
+        deepspeed_zero3.receive_weights(group, model)
         for param in model.parameters():
             broadcast(group, torch.empty_like(param))
         broadcast(group, torch.empty(sum(p.numel() for p in model.parameters())))
@@ -183,6 +134,7 @@ def main():
             target=receiver, args=(port, args.steps, args.new_tokens, args.timed))
         child.start()
         group = sync_group(0, port)
+    sender = deepspeed_zero3.WeightSender(engine, group)  # group None on the other trainer ranks
 
     for step in range(args.steps):
         tokens = torch.randint(0, MODEL["vocab"], (4, 17), generator=torch.Generator().manual_seed(step * 7 + rank))
@@ -190,7 +142,7 @@ def main():
         loss = engine(inputs, targets)
         engine.backward(loss)
         engine.step()
-        send_weights(engine, group)
+        sender.send()
         engine.eval()
         ours = greedy(engine.module, prompt_for(step).to(engine.device), args.new_tokens)
         engine.train()
@@ -215,7 +167,7 @@ def main():
     timings = {"stream, flat buckets": [], "per parameter": [], "raw broadcast (wire bound)": []}
     raw = torch.zeros(sum(p.ds_numel for p in engine.module.parameters())) if rank == 0 else None
     for _ in range(args.timed):
-        for method, run in (("stream, flat buckets", lambda: send_weights(engine, group)),
+        for method, run in (("stream, flat buckets", sender.send),
                             ("per parameter", lambda: send_per_parameter(engine, group)),
                             ("raw broadcast (wire bound)", lambda: group is not None and broadcast(group, raw))):
             dist.barrier()

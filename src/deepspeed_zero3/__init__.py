@@ -9,7 +9,7 @@ __version__ = "0.1.0"
 __all__ = ["__version__", "get_zero3_stats", "reset_zero3_stats", "abandon_step", "overlay_status",
            "iter_gathered_parameters", "WeightStream", "TensorMeta", "StreamStats",
            "save_16bit_model", "consolidated_16bit_state_dict", "RanksInDifferentPasses", "iter_local_shards",
-           "LocalShard", "weight_source", "WeightSource"]
+           "LocalShard", "weight_source", "WeightSource", "WeightSender", "receive_weights"]
 
 
 def __getattr__(name):
@@ -32,6 +32,9 @@ def __getattr__(name):
     if name == "RanksInDifferentPasses":
         from deepspeed_zero3.runtime.zero.pass_agreement import RanksInDifferentPasses
         return RanksInDifferentPasses
+    if name in ("WeightSender", "receive_weights"):
+        from deepspeed_zero3 import sender
+        return getattr(sender, name)
     if name in ("weight_source", "WeightSource"):
         from deepspeed_zero3 import sources
         return getattr(sources, name)
