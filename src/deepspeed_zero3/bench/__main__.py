@@ -56,11 +56,16 @@ def parse_args(argv=None):
                         "GatheredParameters, whole model, iter_gathered_parameters); writes <out>/export/ "
                         "(bench/export.py)")
     parser.add_argument("--save", action="store_true",
-                        help="instead of the scenarios: the full bf16 model to disk, upstream's engine.save_16bit_model "
-                        "against deepspeed_zero3.save_16bit_model; writes <out>/save/ (bench/save.py)")
-    from deepspeed_zero3.bench import export, generate
+                        help="instead of the scenarios: a bf16 Llama to disk, upstream's engine.save_16bit_model "
+                        "against deepspeed_zero3.save_16bit_model in 4 MB shards; writes <out>/save/ (bench/save.py)")
+    parser.add_argument("--sync", action="store_true",
+                        help="instead of the scenarios: a bf16 Llama's weights to a receiver process, WeightSender "
+                        "against one GatheredParameters and broadcast per tensor, one raw broadcast and the local "
+                        "shards; writes <out>/sync/ (bench/sync.py)")
+    from deepspeed_zero3.bench import export, generate, save
     generate.add_arguments(parser)
     export.add_arguments(parser)
+    save.add_arguments(parser)
     parser.add_argument("--no-run", action="store_true",
                         help="launch nothing: redo the tables and plots from the raw JSON already in --out")
     parser.add_argument("--planner", action="store_true",
@@ -81,8 +86,8 @@ def parse_args(argv=None):
         parser.error(f"unknown scenario(s) {', '.join(unknown) or '(none given)'}; choose from {', '.join(SCENARIOS)}")
     if args.steps < 1 or args.warmup < 0 or args.world < 1:
         parser.error("--steps must be >= 1, --warmup >= 0, --world >= 1")
-    if sum((args.frontier, args.generate, args.export, args.save, args.planner)) > 1:
-        parser.error("--frontier, --generate, --export, --save and --planner are separate runs: pick one")
+    if sum((args.frontier, args.generate, args.export, args.save, args.sync, args.planner)) > 1:
+        parser.error("--frontier, --generate, --export, --save, --sync and --planner are separate runs: pick one")
     if args.tokens < 1 or args.rounds < 1 or args.repeats < 1:
         parser.error(f"--tokens, --rounds and --repeats must be >= 1 (got {args.tokens}, {args.rounds}, "
                      f"{args.repeats})")
@@ -195,9 +200,9 @@ def main(argv=None):
     args = parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    if args.generate or args.export or args.save:
-        from deepspeed_zero3.bench import export, generate, save
-        return (generate if args.generate else export if args.export else save).main(args)
+    if args.generate or args.export or args.save or args.sync:
+        from deepspeed_zero3.bench import export, generate, save, sync
+        return (generate if args.generate else export if args.export else save if args.save else sync).main(args)
     if args.planner:
         from deepspeed_zero3.bench import planner
         return planner.main(["--out", str(out / "planner.json")])
