@@ -64,7 +64,7 @@ LAUNCH = $(BIN)/deepspeed --num_gpus $(NPROC) --master_port $(PORT)
 RELEASE_SHM = status=$$?; rm -f /dev/shm/deepspeed_allreduce_buffer_$$(id -u)_*_$(PORT)_*; exit $$status
 DIST_PYTEST = --no_local_rank --module pytest -q -rs -p no:cacheprovider
 
-.PHONY: venv venv-int demo test test-smoke test-smoke-oldest test-parity-smoke test-counts test-smoke-torch test-parity-torch test-counts-torch test-versions installed-versions test-unit test-parity test-distributed test-world4 test-integration bench soak clean-locks clean \
+.PHONY: venv venv-int demo test test-smoke test-smoke-oldest test-parity-smoke test-counts test-smoke-torch test-parity-torch test-counts-torch test-versions test-unit test-parity test-distributed test-world4 test-integration bench soak clean-locks clean \
 	test-gpu gpu-wheels gpu-check
 
 $(BIN)/python:
@@ -167,48 +167,31 @@ COUNT_TESTS ?= tests/distributed/test_comm_counts.py tests/distributed/test_keep
 test-counts: venv clean-locks
 	$(LAUNCH) $(DIST_PYTEST) $(COUNT_TESTS); $(RELEASE_SHM)
 
-# Every supported deepspeed release (torch 2.13.0): FULL_VERSIONS unit, distributed and parity tests, the others
-# unit tests, the parity smoke and the exact counts; then every torch of TORCH_VERSIONS (deepspeed 0.19.8): unit
-# tests, the torch parity smoke and the exact counts; then every Python of PYTHON_VERSIONS (deepspeed 0.19.8,
-# torch 2.13.0): unit tests and the parity smoke. One environment at a time, each in its own venv; logs in
-# versions-out/<release>/, versions-out/torch-<version>/ and versions-out/python-<version>/, then the tables in
-# docs/compat/versions.md. A subset reruns only those (the tables keep the others' last results):
+# The version matrix (scripts/matrix.py; docs/compat/versions.md): every supported deepspeed release on torch 2.13.0,
+# FULL_VERSIONS with the whole suites and the others with the unit tests, the parity smoke and the exact counts;
+# every torch of TORCH_VERSIONS and every Python of PYTHON_VERSIONS on deepspeed 0.19.8. One environment per
+# (Python, torch) pair, outside the repository, reused across releases and deleted after its last row; a row is
+# skipped while it is current, so a stopped pass resumes. Logs in versions-out/<row>/. A subset:
 # make test-versions TEST_VERSIONS=0.19.4 TEST_TORCH_VERSIONS= TEST_PYTHON_VERSIONS=  (an empty list skips it)
+# MATRIX_ARGS="--commit" commits the table after every row; "--rerun" runs current rows again.
 TEST_VERSIONS ?= $(SUPPORTED_DEEPSPEED_VERSIONS)
 TEST_TORCH_VERSIONS ?= $(TORCH_VERSIONS)
+TEST_PYTHON_VERSIONS ?= $(PYTHON_VERSIONS)
 # The whole suites for the first and last patch of each minor series and where the caller contract or a detected
 # feature changes (docs/maintaining.md); the others get the unit tests, the parity smoke and the exact counts.
 FULL_VERSIONS ?= 0.16.0 0.16.3 0.16.4 0.16.9 0.17.0 0.17.6 0.18.0 0.18.1 0.18.9 0.19.0 0.19.3 0.19.4 0.19.8
 VERSION_SUITES ?= unit distributed parity
 SMOKE_VERSION_SUITES ?= unit parity-smoke counts
 TORCH_SUITES ?= unit parity-torch counts-torch
-TEST_PYTHON_VERSIONS ?= $(PYTHON_VERSIONS)
 PYTHON_SUITES ?= unit parity-smoke
-VERSIONS_OUT ?= versions-out
-# $(call run-suites,<results folder>,<suites>,<make variables>)
-# Each suite records the commit it starts on (a rerun of one suite, or a commit made while another runs, must not
-# relabel the others).
-define run-suites
-for suite in $(2); do \
-  out=$(VERSIONS_OUT)/$(1); mkdir -p $$out; rm -f $$out/$$suite.*; start=$$(date +%s); \
-  echo "$$(git rev-parse --short=12 HEAD)$$(git diff --quiet HEAD -- src tests scripts Makefile setup.py \
-    pyproject.toml || echo ' + uncommitted changes'), $$(date -u +%F)" > $$out/$$suite.measured; \
-  echo "test-versions: $(3), $$suite (log $$out/$$suite.log)"; \
-  env -u TORCH_EXTENSIONS_DIR -u PIP_CONSTRAINT $(MAKE) --no-print-directory test-$$suite $(3) > $$out/$$suite.log 2>&1; \
-  echo $$? > $$out/$$suite.rc; echo $$(( $$(date +%s) - start )) > $$out/$$suite.seconds; \
-  tail -1 $$out/$$suite.log; \
-done; \
-env -u TORCH_EXTENSIONS_DIR -u PIP_CONSTRAINT $(MAKE) -s --no-print-directory installed-versions $(3) \
-  > $(VERSIONS_OUT)/$(1)/installed.txt 2>&1 || true
-endef
-# What a venv holds, for the versions table.
-installed-versions:
-	@$(BIN)/python -c "import sys, torch, deepspeed; print(f'python {sys.version.split()[0]}, torch {torch.__version__}, deepspeed {deepspeed.__version__}')"
+MATRIX_ARGS ?=
+empty :=
+space := $(empty) $(empty)
+comma := ,
+matrix-list = $(if $(strip $(1)),$(subst $(space),$(comma),$(strip $(1))),none)
 test-versions:
-	@$(foreach v,$(TEST_VERSIONS),$(call run-suites,$(v),$(if $(filter $(v),$(FULL_VERSIONS)),$(VERSION_SUITES),$(SMOKE_VERSION_SUITES)),DEEPSPEED_VERSION=$(v));)
-	@$(foreach t,$(TEST_TORCH_VERSIONS),$(call run-suites,torch-$(t),$(TORCH_SUITES),TORCH_VERSION=$(t) NVME_OP=0);)
-	@$(foreach p,$(TEST_PYTHON_VERSIONS),$(call run-suites,python-$(p),$(PYTHON_SUITES),PY_VERSION=$(p) NVME_OP=0);)
-	$(PYTHON) scripts/versions_table.py $(VERSIONS_OUT) docs/compat/versions.md
+	$(PYTHON) scripts/matrix.py --deepspeed $(call matrix-list,$(TEST_VERSIONS)) \
+	  --torch $(call matrix-list,$(TEST_TORCH_VERSIONS)) --python $(call matrix-list,$(TEST_PYTHON_VERSIONS)) $(MATRIX_ARGS)
 
 test-unit: venv
 	$(BIN)/python -m pytest -q tests/unit

@@ -4,14 +4,15 @@ Kept free of torch and deepspeed imports: the activation hook reads it at
 interpreter start.
 """
 
-# Every release listed here has been run through `make test-versions` (docs/compat/versions.md). setup.py
+# Each release listed here is measured by the version matrix (`make test-versions`, scripts/matrix.py):
+# docs/compat/versions.md has its row, with the commit it ran on and the outcome of each suite. setup.py
 # derives the pip requirement (the span from first to last) from it, the activation hook checks membership,
 # and the Makefile reads it for DEEPSPEED_VERSION (one line: the Makefile and scripts/versions_table.py read it
 # as text). How a new release gets added: docs/maintaining.md. Every release from 0.16.0 on has the single
 # coordinator our runtime replaces; what differs between them is detected as a feature (capabilities.py).
 SUPPORTED_DEEPSPEED_VERSIONS = ("0.16.0", "0.16.1", "0.16.2", "0.16.3", "0.16.4", "0.16.5", "0.16.6", "0.16.7", "0.16.8", "0.16.9", "0.17.0", "0.17.1", "0.17.2", "0.17.3", "0.17.4", "0.17.5", "0.17.6", "0.18.0", "0.18.1", "0.18.2", "0.18.3", "0.18.4", "0.18.5", "0.18.6", "0.18.7", "0.18.8", "0.18.9", "0.19.0", "0.19.1", "0.19.2", "0.19.3", "0.19.4", "0.19.5", "0.19.6", "0.19.7", "0.19.8")
 
-# Every torch release listed here has been run through `make test-versions` with the newest supported deepspeed
+# Each torch release listed here is measured by the same matrix with the newest supported deepspeed
 # (docs/compat/versions.md's torch table; the Makefile's TORCH_VERSIONS is this list). setup.py requires torch from
 # the first minor series to the last.
 MEASURED_TORCH_VERSIONS = ("2.11.0", "2.12.1", "2.13.0", "2.14.1", "2.15.0")

@@ -31,7 +31,7 @@ def parse_args(argv=None):
                                      description="Benchmark upstream DeepSpeed's ZeRO-3 parameter runtime against "
                                      "deepspeed-zero3's, side by side.")
     parser.add_argument("--model", choices=("a", "b"), default="b",
-                        help="the baseline's Model A (6.3M params) or Model B (0.2M, default; fast)")
+                        help="Model A (residual MLP, 6.3M params) or Model B (0.2M, default; fast)")
     parser.add_argument("--world", type=int, default=2, help="ranks (default 2)")
     parser.add_argument("--bucket", type=int, default=None,
                         help="stage3_prefetch_bucket_size (default: 100000 for a, 20000 for b)")

@@ -10,8 +10,8 @@ one it got (from the file ``deepspeed.runtime.zero.parameter_offload`` was loade
 
 Measured per cycle, the same way for both runtimes:
 
-* gathers, demand fetches and live gathered numel per phase, by ``GatherMeter`` (the outside
-  instrument of the upstream baseline), with the per-fetch live-numel timeline of each phase;
+* gathers, demand fetches and live gathered numel per phase, by ``GatherMeter`` (an instrument
+  outside both runtimes, reading parameter status), with the per-fetch live-numel timeline of each phase;
 * trace records: ours from ``deepspeed_zero3.get_zero3_stats`` (the ``trace_records`` of its passes),
   upstream by counting calls of ``PartitionedParameterCoordinator.construct_parameter_trace_from_module_trace``
   (upstream calls it once each time it completes recording a trace);

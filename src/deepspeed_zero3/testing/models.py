@@ -53,12 +53,12 @@ MODEL_B_NUMEL = 199_876
 
 
 def model_a(**kwargs) -> ResidualMLP:
-    """Model A of the baseline: 6,312,196 parameters."""
+    """Model A, the benchmark's larger model: a residual MLP of 12 blocks, 6,312,196 parameters."""
     return ResidualMLP(inp=16, width=256, hidden=1024, blocks=12, out=4, **kwargs)
 
 
 def model_b(**kwargs) -> ResidualMLP:
-    """Model B of the baseline: 199,876 parameters."""
+    """Model B, the benchmark's default: a residual MLP of 6 blocks, 199,876 parameters."""
     return ResidualMLP(inp=16, width=64, hidden=256, blocks=6, out=4, **kwargs)
 
 
