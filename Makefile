@@ -64,7 +64,7 @@ LAUNCH = $(BIN)/deepspeed --num_gpus $(NPROC) --master_port $(PORT)
 RELEASE_SHM = status=$$?; rm -f /dev/shm/deepspeed_allreduce_buffer_$$(id -u)_*_$(PORT)_*; exit $$status
 DIST_PYTEST = --no_local_rank --module pytest -q -rs -p no:cacheprovider
 
-.PHONY: venv venv-int demo test test-smoke test-smoke-oldest test-parity-smoke test-counts test-smoke-torch test-parity-torch test-counts-torch test-versions test-unit test-parity test-distributed test-world4 test-integration bench soak clean-locks clean \
+.PHONY: venv venv-int demo test test-smoke test-smoke-oldest test-parity-smoke test-counts test-smoke-torch test-parity-torch test-counts-torch test-versions test-unit test-parity test-distributed test-world4 test-integration test-integration-lightning test-integration-hf bench soak clean-locks clean \
 	test-gpu gpu-wheels gpu-check
 
 $(BIN)/python:
@@ -177,6 +177,7 @@ test-counts: venv clean-locks
 TEST_VERSIONS ?= $(SUPPORTED_DEEPSPEED_VERSIONS)
 TEST_TORCH_VERSIONS ?= $(TORCH_VERSIONS)
 TEST_PYTHON_VERSIONS ?= $(PYTHON_VERSIONS)
+TEST_CLIENTS ?= lightning hf
 # The whole suites for the first and last patch of each minor series and where the caller contract or a detected
 # feature changes (docs/maintaining.md); the others get the unit tests, the parity smoke and the exact counts.
 FULL_VERSIONS ?= 0.16.0 0.16.3 0.16.4 0.16.9 0.17.0 0.17.6 0.18.0 0.18.1 0.18.9 0.19.0 0.19.3 0.19.4 0.19.8
@@ -191,7 +192,8 @@ comma := ,
 matrix-list = $(if $(strip $(1)),$(subst $(space),$(comma),$(strip $(1))),none)
 test-versions:
 	$(PYTHON) scripts/matrix.py --deepspeed $(call matrix-list,$(TEST_VERSIONS)) \
-	  --torch $(call matrix-list,$(TEST_TORCH_VERSIONS)) --python $(call matrix-list,$(TEST_PYTHON_VERSIONS)) $(MATRIX_ARGS)
+	  --torch $(call matrix-list,$(TEST_TORCH_VERSIONS)) --python $(call matrix-list,$(TEST_PYTHON_VERSIONS)) \
+	  --clients $(call matrix-list,$(TEST_CLIENTS)) $(MATRIX_ARGS)
 
 test-unit: venv
 	$(BIN)/python -m pytest -q tests/unit
@@ -215,6 +217,17 @@ soak: venv clean-locks
 
 test-integration: venv venv-int clean-locks
 	$(BIN)/python -m pytest -q $(INT_DIR)
+
+# The client libraries on the deepspeed their users get (rows of make test-versions): Lightning's `strategies`
+# extra allows deepspeed <0.17, so its users get 0.16.9; LLaMA-Factory and open-instruct pin 0.18.4, under the
+# Hugging Face Trainer, TRL and peft. E.g. make test-integration-lightning DEEPSPEED_VERSION=0.16.9
+LIGHTNING_DEEPSPEED_VERSION := 0.16.9
+HF_DEEPSPEED_VERSION := 0.18.4
+test-integration-lightning: venv venv-int clean-locks
+	$(BIN)/python -m pytest -q $(INT_DIR)/test_lightning.py
+
+test-integration-hf: venv venv-int clean-locks
+	$(BIN)/python -m pytest -q $(INT_DIR)/test_hf.py $(INT_DIR)/test_clients.py
 
 test-world4: venv clean-locks
 	LOCAL_SIZE=4 $(BIN)/deepspeed --num_gpus 4 --master_port $(PORT) $(DIST_PYTEST) -m world_size tests/distributed; $(RELEASE_SHM)

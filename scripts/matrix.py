@@ -1,7 +1,12 @@
 """The version matrix: every supported deepspeed release, every measured torch and Python, one row at a time.
 
     python3 scripts/matrix.py [--deepspeed all|none|0.16.0,0.16.1] [--torch all|none|2.11.0] [--python all|none|3.12]
-                              [--root DIR] [--commit] [--rerun] [--keep-venvs] [--port 29620]
+                              [--clients all|none|lightning,hf] [--root DIR] [--commit] [--rerun] [--keep-venvs]
+                              [--port 29620]
+
+The clients' rows run the integration suite's flows on the deepspeed release their users get
+(``lightning``: Lightning on ``LIGHTNING_DEEPSPEED_VERSION``, ``hf``: the Hugging Face Trainer, TRL and peft on
+``HF_DEEPSPEED_VERSION``; both set in the Makefile).
 
 One virtual environment per (Python, torch) pair, under ``--root`` (outside the repository; default
 ``~/.cache/deepspeed-zero3-matrix``), reused across deepspeed releases: each release is installed over the previous
@@ -48,9 +53,9 @@ def makefile_value(name: str) -> list:
 class Row:
     """One row of docs/compat/versions.md: its results folder, the environment it runs in and its suites."""
 
-    def __init__(self, name: str, python: str, torch: str, deepspeed: str, suites, make_vars=()):
+    def __init__(self, name: str, python: str, torch: str, deepspeed: str, suites, make_vars=(), packages=()):
         self.name, self.python, self.torch, self.deepspeed = name, python, torch, deepspeed
-        self.suites, self.make_vars = list(suites), list(make_vars)
+        self.suites, self.make_vars, self.packages = list(suites), list(make_vars), list(packages)
 
     @property
     def pair(self):
@@ -77,13 +82,23 @@ def interpreter(python: str) -> str:
     return on_path
 
 
-def plan(deepspeed, torches, pythons):
-    """The rows, grouped by environment: the default pair first (every deepspeed release, then its torch and
-    Python rows at deepspeed 0.19.8), then each other torch, then each other Python."""
+CLIENTS = {"lightning": "LIGHTNING_DEEPSPEED_VERSION", "hf": "HF_DEEPSPEED_VERSION"}
+CLIENT_PACKAGES = {"lightning": ["lightning"], "hf": ["transformers", "accelerate", "trl", "peft"]}
+
+
+def client_row_name(client: str) -> str:
+    return f"{client}-{makefile_value(CLIENTS[client])[0]}"
+
+
+def plan(deepspeed, torches, pythons, clients=()):
+    """The rows, grouped by environment: the default pair first (every deepspeed release, the clients' rows, then
+    its torch and Python rows at deepspeed 0.19.8), then each other torch, then each other Python."""
     full = set(makefile_value("FULL_VERSIONS"))
     here = default_python()
     rows = [Row(v, here, DEFAULT_TORCH, v, makefile_value("VERSION_SUITES" if v in full else "SMOKE_VERSION_SUITES"))
             for v in deepspeed]
+    rows += [Row(client_row_name(c), here, DEFAULT_TORCH, makefile_value(CLIENTS[c])[0], [f"integration-{c}"],
+                 packages=CLIENT_PACKAGES[c]) for c in clients]
     rows += [Row(f"torch-{t}", here, t, DEFAULT_DEEPSPEED, makefile_value("TORCH_SUITES"), ["NVME_OP=0"])
              for t in torches]
     rows += [Row(f"python-{p}", p, DEFAULT_TORCH, DEFAULT_DEEPSPEED, makefile_value("PYTHON_SUITES"), ["NVME_OP=0"])
@@ -196,10 +211,9 @@ def run_row(row: Row, environment: Environment, out: Path, port: int) -> bool:
         green = green and code == 0
         print(f"matrix: {row.name}, {suite}: {'ok' if code == 0 else f'FAILED (exit {code})'} in "
               f"{int(time.time() - start)} s", flush=True)
-    installed = subprocess.run([str(environment.path / "bin" / "python"), "-c",
-                                "import sys, torch, deepspeed; print(f'python {sys.version.split()[0]}, torch "
-                                "{torch.__version__}, deepspeed {deepspeed.__version__}')"],
-                               capture_output=True, text=True)
+    probe = ("import sys, importlib.metadata as m; print(', '.join([f'python {sys.version.split()[0]}'] + "
+             f"[f'{{p}} {{m.version(p)}}' for p in {['torch', 'deepspeed', *row.packages]!r}]))")
+    installed = subprocess.run([str(environment.path / "bin" / "python"), "-c", probe], capture_output=True, text=True)
     (folder / "installed.txt").write_text(installed.stdout or installed.stderr)
     return green
 
@@ -271,6 +285,8 @@ def main(argv=None) -> int:
     parser.add_argument("--deepspeed", default="all", help="releases: all (default), none, or a comma list")
     parser.add_argument("--torch", default="all", help="torch releases: all (default), none, or a comma list")
     parser.add_argument("--python", default="all", help="Python versions: all (default), none, or a comma list")
+    parser.add_argument("--clients", default="all", help="client rows: all (default), none, or a comma list of "
+                        + ", ".join(CLIENTS))
     parser.add_argument("--root", default=str(Path.home() / ".cache" / "deepspeed-zero3-matrix"),
                         help="where the environments and op caches live (default ~/.cache/deepspeed-zero3-matrix)")
     parser.add_argument("--out", default=str(REPO / "versions-out"), help="results folder (default versions-out/)")
@@ -281,7 +297,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     rows = plan(choose(args.deepspeed, versions_table.supported_versions(REPO), "deepspeed"),
                 choose(args.torch, versions_table.torch_versions(REPO), "torch"),
-                choose(args.python, versions_table.python_versions(REPO), "python"))
+                choose(args.python, versions_table.python_versions(REPO), "python"),
+                choose(args.clients, list(CLIENTS), "clients"))
     root, out = Path(args.root), Path(args.out)
     root.mkdir(parents=True, exist_ok=True)
     runtime = versions_table.git_runtime(REPO)

@@ -68,6 +68,17 @@ def python_versions(repo: Path):
     return makefile_list(repo, "PYTHON_VERSIONS")
 
 
+# The clients' rows: (results folder, suite, what runs), on the release the Makefile names for their users.
+CLIENT_ROWS = (("lightning", "LIGHTNING_DEEPSPEED_VERSION", "Lightning's flows (tests/integration/test_lightning.py)"),
+               ("hf", "HF_DEEPSPEED_VERSION", "the Hugging Face Trainer, TRL and peft flows "
+                "(tests/integration/test_hf.py, test_clients.py)"))
+
+
+def client_rows(repo: Path):
+    return [(f"{client}-{makefile_list(repo, variable)[0]}", f"integration-{client}", what)
+            for client, variable, what in CLIENT_ROWS]
+
+
 def summaries(log_text: str):
     """Counts of every pytest closing line in a log, in order (one per rank for the distributed suite)."""
     found = []
@@ -141,7 +152,7 @@ def measured(folder: Path, suites) -> str:
 def previous_rows(text: str):
     """The rows of an earlier page, by section and first cell. A table written before the page had its
     ``measured`` column gets one: the day of that page, its commit not recorded."""
-    rows = {"deepspeed": {}, "torch": {}, "python": {}}
+    rows = {"deepspeed": {}, "torch": {}, "python": {}, "client": {}}
     written = re.search(r"Last written: (\d{4}-\d{2}-\d{2})", text)
     section, has_measured = None, True
     for line in text.splitlines():
@@ -151,6 +162,8 @@ def previous_rows(text: str):
             section = "torch"
         elif line.startswith("## Python versions"):
             section = "python"
+        elif line.startswith("## Client libraries"):
+            section = "client"
         elif section and line.startswith(f"| {section} |"):
             has_measured = "| measured |" in line
         elif section and line.startswith("| ") and not line.startswith("| ---"):
@@ -201,7 +214,7 @@ def git_runtime(repo: Path = REPO):
 
 
 def render(results_dir: Path, versions, torches, today: str, previous: str = "", runtime=None,
-           pythons=()) -> str:
+           pythons=(), clients=()) -> str:
     """``runtime``: see ``git_runtime``; with it, each table ends with the rows older than the runtime."""
     table = _tables().markdown_table
     kept = previous_rows(previous)
@@ -279,6 +292,22 @@ def render(results_dir: Path, versions, torches, today: str, previous: str = "",
         lines.append(table(("python", "measured", "installed", "unit", "parity smoke"), rows,
                            align="l" * (3 + len(PYTHON_SUITES))))
         lines += staleness_line(rows, runtime)
+    if clients:
+        lines += [
+            "",
+            "## Client libraries on their users' releases",
+            "",
+            "torch 2.13.0, the client libraries of tests/integration/requirements.txt, on the deepspeed release",
+            "their users get (the Makefile's `LIGHTNING_DEEPSPEED_VERSION`, `HF_DEEPSPEED_VERSION`): each flow under",
+            "our runtime against its reference, and against upstream's runtime of the same release, bitwise.",
+            "",
+        ]
+        rows = [row("client", name, results_dir / name, (suite,),
+                    lambda folder, suite=suite, what=what: [what, installed(folder), cell(read_suite(folder, suite))],
+                    5)
+                for name, suite, what in clients]
+        lines.append(table(("row", "measured", "flows", "installed", "integration"), rows, align="lllll"))
+        lines += staleness_line(rows, runtime)
     return "\n".join(lines) + "\n"
 
 
@@ -288,7 +317,9 @@ def main(argv):
         return 2
     results_dir, output = Path(argv[1]), Path(argv[2])
     versions, torches, pythons = supported_versions(REPO), torch_versions(REPO), python_versions(REPO)
+    clients = client_rows(REPO)
     known = set(versions) | {f"torch-{torch}" for torch in torches} | {f"python-{p}" for p in pythons}
+    known |= {name for name, _, _ in clients}
     extra = sorted(p.name for p in results_dir.iterdir() if p.is_dir() and p.name not in known) \
         if results_dir.is_dir() else []
     if extra:
@@ -296,7 +327,7 @@ def main(argv):
     previous = output.read_text() if output.exists() else ""
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(render(results_dir, versions, torches, datetime.datetime.now(datetime.timezone.utc)
-                             .strftime("%Y-%m-%d %H:%M UTC"), previous, git_runtime(), pythons))
+                             .strftime("%Y-%m-%d %H:%M UTC"), previous, git_runtime(), pythons, clients))
     print(output.read_text(), end="")
     return 0
 

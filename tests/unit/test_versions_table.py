@@ -177,3 +177,23 @@ def test_rows_older_than_the_runtime_are_named_under_their_table(tmp_path):
     assert "Every row was measured on the runtime that ships" in versions_table.render(
         results, ["0.19.4", "0.19.8"], [], "today", runtime=current)
     assert "Not measured" not in versions_table.render(results, ["0.19.4", "0.19.8"], [], "today")  # no git: no claim
+
+
+def test_the_clients_table_names_each_row_release_and_what_it_ran(tmp_path):
+    results = tmp_path / "versions-out"
+    write_suite(results / "lightning-0.16.9", "integration-lightning", "9 passed in 300.0s\n", 0, 310)
+    (results / "lightning-0.16.9" / "installed.txt").write_text(
+        "python 3.11.7, torch 2.13.0, deepspeed 0.16.9, lightning 2.6.6\n")
+    clients = versions_table.client_rows(versions_table.REPO)
+    assert [name for name, _, _ in clients] == ["lightning-0.16.9", "hf-0.18.4"]
+
+    text = versions_table.render(results, [], [], "today", clients=clients)
+    rows = [line for line in text.splitlines() if line.startswith(("| lightning-", "| hf-"))]
+    assert rows == [
+        "| lightning-0.16.9 | not recorded | Lightning's flows (tests/integration/test_lightning.py) | python 3.11.7, "
+        "torch 2.13.0, deepspeed 0.16.9, lightning 2.6.6 | ok: 9 passed, 0 failed; 310 s |",
+        "| hf-0.18.4 | not recorded | the Hugging Face Trainer, TRL and peft flows (tests/integration/test_hf.py, "
+        "test_clients.py) | not run | not run |",
+    ]
+    again = versions_table.render(tmp_path / "empty", [], [], "later", previous=text, clients=clients)
+    assert [line for line in again.splitlines() if line.startswith("| lightning-")] == rows[:1]

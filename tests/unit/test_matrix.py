@@ -1,0 +1,70 @@
+"""scripts/matrix.py: which rows the version matrix runs, in which environment, and which it skips as current."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "scripts"))
+spec = importlib.util.spec_from_file_location("matrix", REPO / "scripts" / "matrix.py")
+matrix = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(matrix)
+
+
+def test_rows_are_grouped_by_environment_default_pair_first():
+    here = matrix.default_python()
+    rows = matrix.plan(["0.16.0", "0.16.1", "0.19.8"], ["2.11.0", "2.13.0"], ["3.10", here], ["lightning", "hf"])
+    assert [(row.name, row.pair, row.deepspeed) for row in rows] == [
+        ("0.16.0", (here, "2.13.0"), "0.16.0"),
+        ("0.16.1", (here, "2.13.0"), "0.16.1"),
+        ("0.19.8", (here, "2.13.0"), "0.19.8"),
+        ("lightning-0.16.9", (here, "2.13.0"), "0.16.9"),
+        ("hf-0.18.4", (here, "2.13.0"), "0.18.4"),
+        ("torch-2.13.0", (here, "2.13.0"), "0.19.8"),
+        (f"python-{here}", (here, "2.13.0"), "0.19.8"),
+        ("torch-2.11.0", (here, "2.11.0"), "0.19.8"),
+        ("python-3.10", ("3.10", "2.13.0"), "0.19.8"),
+    ]
+    suites = {row.name: row.suites for row in rows}
+    assert suites["0.16.0"] == ["unit", "distributed", "parity"]  # in FULL_VERSIONS
+    assert suites["0.16.1"] == ["unit", "parity-smoke", "counts"]
+    assert suites["lightning-0.16.9"] == ["integration-lightning"]
+    assert suites["hf-0.18.4"] == ["integration-hf"]
+    assert suites["torch-2.11.0"] == ["unit", "parity-torch", "counts-torch"]
+
+
+@pytest.mark.parametrize("text,expected", [("all", ["a", "b"]), ("none", []), ("b", ["b"]), ("b,a", ["b", "a"])])
+def test_choose(text, expected):
+    assert matrix.choose(text, ["a", "b"], "torch") == expected
+
+
+def test_choose_names_what_is_not_in_the_matrix():
+    with pytest.raises(SystemExit, match=r"--torch 'a,9.9': 9.9 not in the matrix; choose all, none or from a, b"):
+        matrix.choose("a,9.9", ["a", "b"], "torch")
+
+
+def _suite(folder: Path, suite: str, rc: int, measured: str):
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{suite}.rc").write_text(f"{rc}\n")
+    (folder / f"{suite}.measured").write_text(measured + "\n")
+
+
+def test_a_row_is_current_when_every_suite_passed_on_a_descendant_of_the_runtime(tmp_path):
+    row = matrix.Row("0.16.1", "3.11", "2.13.0", "0.16.1", ["unit", "counts"])
+    new, old = "aaaaaaaaaaaa", "bbbbbbbbbbbb"
+    runtime = ("cccccccccccc", lambda commit: commit == new)
+    folder = tmp_path / "0.16.1"
+    assert not matrix.is_current(row, tmp_path, runtime)  # never run
+    _suite(folder, "unit", 0, f"{new}, 2026-12-07")
+    assert not matrix.is_current(row, tmp_path, runtime)  # a suite missing
+    _suite(folder, "counts", 0, f"{new}, 2026-12-07")
+    assert matrix.is_current(row, tmp_path, runtime)
+    assert not matrix.is_current(row, tmp_path, None)  # outside a git checkout nothing is current
+    _suite(folder, "counts", 1, f"{new}, 2026-12-07")
+    assert not matrix.is_current(row, tmp_path, runtime)  # failed
+    _suite(folder, "counts", 0, f"{old}, 2026-12-06")
+    assert not matrix.is_current(row, tmp_path, runtime)  # older than the runtime
+    _suite(folder, "counts", 0, f"{new} + uncommitted changes, 2026-12-07")
+    assert not matrix.is_current(row, tmp_path, runtime)
