@@ -178,6 +178,35 @@ def test_nvme_partitions_are_read_ahead_of_use(runs):
         assert p["swap_in_ahead"] + p["swap_in_demand"] == swapped[p["kind"]] and p["swap_in_unused"] == 0, p
 
 
+# Per backward, both runtimes, in the LoRA scenarios (docs/benchmarks.md's LoRA table): (peak live numel, gathered
+# numel). Ours is pinned on every release (tests/distributed/test_recompute_release.py pins the gathered numel
+# too); upstream's on the default release only, the one the table names.
+LORA_BACKWARD = {
+    ("overlay", "lora_checkpointing_nonreentrant"): (35_328, 106_113),
+    ("overlay", "lora_checkpointing_reentrant"): (35_328, 106_113),
+    ("upstream", "lora_checkpointing_nonreentrant"): (34_304, 193_793),
+    ("upstream", "lora_checkpointing_reentrant"): (100_352, 112_257),
+}
+
+
+@pytest.mark.parametrize("name", ["lora_checkpointing_nonreentrant", "lora_checkpointing_reentrant"])
+def test_lora_backward_peak_and_gathered_of_both_runtimes(runs, name):
+    import deepspeed
+
+    if 2 not in WORLDS or name not in SCENARIOS[2]:
+        pytest.skip(f"{name} not run here")
+    for runtime in RUNTIMES:
+        record = record_of(runs[runtime, 2], name)
+        if runtime == "upstream" and deepspeed.__version__ != "0.19.8":
+            continue  # the table states 0.19.8's
+        assert record is not None and record.get("status") == "ok", (runtime, record)
+        peak, gathered = LORA_BACKWARD[runtime, name]
+        steps = len(record["backward_gathered_numel"])
+        assert steps > 0
+        assert record["backward_peak_live_numel"] == [peak] * steps, (runtime, record["backward_peak_live_numel"])
+        assert record["backward_gathered_numel"] == [gathered] * steps, (runtime, record["backward_gathered_numel"])
+
+
 @pytest.mark.parametrize("world", WORLDS)
 def test_runs_used_the_intended_runtime(runs, world):
     ours = runs["overlay", world]["results"].get("_meta")
