@@ -91,14 +91,15 @@ def client_row_name(client: str) -> str:
 
 
 def plan(deepspeed, torches, pythons, clients=()):
-    """The rows, grouped by environment: the default pair first (every deepspeed release, the clients' rows, then
-    its torch and Python rows at deepspeed 0.19.8), then each other torch, then each other Python."""
+    """The rows, grouped by environment: the default pair first (the clients' rows, short and the likeliest to find
+    a difference between releases, then every deepspeed release, then its torch and Python rows at deepspeed
+    0.19.8), then each other torch, then each other Python."""
     full = set(makefile_value("FULL_VERSIONS"))
     here = default_python()
-    rows = [Row(v, here, DEFAULT_TORCH, v, makefile_value("VERSION_SUITES" if v in full else "SMOKE_VERSION_SUITES"))
-            for v in deepspeed]
-    rows += [Row(client_row_name(c), here, DEFAULT_TORCH, makefile_value(CLIENTS[c])[0], [f"integration-{c}"],
-                 packages=CLIENT_PACKAGES[c]) for c in clients]
+    rows = [Row(client_row_name(c), here, DEFAULT_TORCH, makefile_value(CLIENTS[c])[0], [f"integration-{c}"],
+                packages=CLIENT_PACKAGES[c]) for c in clients]
+    rows += [Row(v, here, DEFAULT_TORCH, v, makefile_value("VERSION_SUITES" if v in full else "SMOKE_VERSION_SUITES"))
+             for v in deepspeed]
     rows += [Row(f"torch-{t}", here, t, DEFAULT_DEEPSPEED, makefile_value("TORCH_SUITES"), ["NVME_OP=0"])
              for t in torches]
     rows += [Row(f"python-{p}", p, DEFAULT_TORCH, DEFAULT_DEEPSPEED, makefile_value("PYTHON_SUITES"), ["NVME_OP=0"])

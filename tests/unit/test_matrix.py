@@ -17,11 +17,11 @@ def test_rows_are_grouped_by_environment_default_pair_first():
     here = matrix.default_python()
     rows = matrix.plan(["0.16.0", "0.16.1", "0.19.8"], ["2.11.0", "2.13.0"], ["3.10", here], ["lightning", "hf"])
     assert [(row.name, row.pair, row.deepspeed) for row in rows] == [
+        ("lightning-0.16.9", (here, "2.13.0"), "0.16.9"),
+        ("hf-0.18.4", (here, "2.13.0"), "0.18.4"),
         ("0.16.0", (here, "2.13.0"), "0.16.0"),
         ("0.16.1", (here, "2.13.0"), "0.16.1"),
         ("0.19.8", (here, "2.13.0"), "0.19.8"),
-        ("lightning-0.16.9", (here, "2.13.0"), "0.16.9"),
-        ("hf-0.18.4", (here, "2.13.0"), "0.18.4"),
         ("torch-2.13.0", (here, "2.13.0"), "0.19.8"),
         (f"python-{here}", (here, "2.13.0"), "0.19.8"),
         ("torch-2.11.0", (here, "2.11.0"), "0.19.8"),
