@@ -27,7 +27,7 @@ from accelerate.utils import DeepSpeedPlugin  # noqa: E402
 
 from client_common import (advantages, generate, grpo_loss, make_lora_llama, make_merge_llama,  # noqa: E402
                            modules_in_training_mode, prompts, sampling_seed, set_lora_modes, train_batch)
-from common import crash_record, finish_flow, make_llama, parse_flow_args, runtime_name  # noqa: E402
+from common import crash_record, finish_flow, full_copies, make_llama, parse_flow_args, runtime_name  # noqa: E402
 from deepspeed_zero3.testing.instrument import GatherMeter  # noqa: E402
 
 FLOW_TIMEOUT_S = int(os.environ.get("ZERO3_INTEGRATION_FLOW_TIMEOUT", "150"))
@@ -178,7 +178,6 @@ def lora_merge_stream(events):
     """Two LoRA training steps, then the merged weights streamed out one layer at a time
     (``iter_gathered_parameters(engine, merge_adapters=True)``), against peft's own ``merge_and_unload()`` on a
     plain copy of the whole-model-gathered module; the adapters must be untouched. Ours only (the stream is ours)."""
-    import deepspeed
     import deepspeed_zero3
 
     accelerator, engine, optimizer = prepare(make_merge_llama())
@@ -187,11 +186,7 @@ def lora_merge_stream(events):
         train_step(accelerator, optimizer, engine(input_ids=ids, labels=ids).loss)
     named = list(engine.module.named_parameters())
 
-    def full_copies():
-        with deepspeed.zero.GatheredParameters([p for _, p in named]):
-            return {name: p.detach().clone() for name, p in named}
-
-    before = full_copies()
+    before = full_copies(named)
     available_before = [name for name, p in named if p.ds_status.name != "NOT_AVAILABLE"]
     stream = deepspeed_zero3.iter_gathered_parameters(engine, merge_adapters=True)
     # What the merged model is made of (not lm_head's original, which modules_to_save replaces), still partitioned.
@@ -200,7 +195,7 @@ def lora_merge_stream(events):
     metadata = [(m.name, str(m.dtype), list(m.shape)) for m in stream.metadata()]
     merged = {name: tensor.clone() for name, tensor in stream}
     available_after = [name for name, p in named if p.ds_status.name != "NOT_AVAILABLE"]
-    after = full_copies()
+    after = full_copies(named)
 
     plain = make_merge_llama()  # no ZeRO: peft merges it as it merges any model
     plain.load_state_dict(before)
@@ -229,13 +224,7 @@ def save_from_pretrained(events):
     would run zero.Init's collectives alone). Ours only (the save is ours)."""
     import tempfile
 
-    import deepspeed
     import deepspeed_zero3
-
-    def full_copies(engine):
-        named = list(engine.module.named_parameters())
-        with deepspeed.zero.GatheredParameters([p for _, p in named]):
-            return {name: p.detach().clone() for name, p in named}
 
     event = {"kind": "save"}
     accelerator, engine, optimizer = prepare(make_llama(tie_word_embeddings=True))
@@ -245,7 +234,7 @@ def save_from_pretrained(events):
     for step in range(2):
         ids = train_batch(rank(), step)
         train_step(accelerator, optimizer, engine(input_ids=ids, labels=ids).loss)
-    full = full_copies(engine)
+    full = full_copies(list(engine.module.named_parameters()))
     event["files"] = deepspeed_zero3.save_16bit_model(engine, os.path.join(root, "plain"), max_shard_size="40KB")
     if rank() == 0:
         engine.module.config.save_pretrained(os.path.join(root, "plain"))
@@ -256,7 +245,7 @@ def save_from_pretrained(events):
     for step in range(2):
         ids = train_batch(rank(), step)
         train_step(accelerator, optimizer, engine(input_ids=ids, labels=ids).loss)
-    before = full_copies(engine)
+    before = full_copies(list(engine.module.named_parameters()))
     deepspeed_zero3.save_16bit_model(engine, os.path.join(root, "merged"), merge_adapters=True)
     if rank() == 0:
         engine.module.base_model.model.config.save_pretrained(os.path.join(root, "merged"))
@@ -270,12 +259,9 @@ FLOWS = {f.__name__: f for f in (grpo_gather, grpo_no_gather, lora_eval_base, lo
 
 
 def save_params(engine, path):
-    import deepspeed
-
-    params = list(engine.module.named_parameters())
-    with deepspeed.zero.GatheredParameters([p for _, p in params]):
-        if rank() == 0:
-            torch.save({name: p.detach().clone() for name, p in params}, path)
+    copies = full_copies(list(engine.module.named_parameters()))
+    if rank() == 0:
+        torch.save(copies, path)
 
 
 def main():

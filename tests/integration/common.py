@@ -90,6 +90,19 @@ def token_sample(split: str, index: int, seq: int = 16):
 # ---------------------------------------------------------------- results written by each rank
 
 
+def full_copies(named):
+    """Copies of full parameters, ``{name: tensor}``, gathered one at a time: before 0.19.8, upstream's
+    ``GatheredParameters`` over several parameters waits on gloo only for the last all-gather, under either
+    runtime, so a copy taken inside one over many could read a gather still in flight."""
+    import deepspeed
+
+    copies = {}
+    for name, param in named:
+        with deepspeed.zero.GatheredParameters([param]):
+            copies[name] = param.detach().clone()
+    return copies
+
+
 def runtime_name() -> str:
     import deepspeed.runtime.zero.parameter_offload as parameter_offload
 

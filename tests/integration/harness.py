@@ -44,8 +44,24 @@ class Launch:
 
 
 def launch(script: str, flows, out: Path, upstream: bool) -> Launch:
-    """Run ``script --flows ...`` on 2 ranks; upstream=True sets the kill switch DEEPSPEED_ZERO3=0."""
+    """Run ``script --flows ...`` on 2 ranks; upstream=True sets the kill switch DEEPSPEED_ZERO3=0.
+
+    A flow that crashes ends its launch (``finish_flow``): the flows after it are launched again, so that one
+    runtime's crash in one flow (upstream's, on some release) leaves the others measured."""
     out.mkdir(parents=True, exist_ok=True)
+    remaining, attempt = list(flows), 1
+    while True:
+        log = out / ("launch.log" if attempt == 1 else f"launch-{attempt}.log")
+        returncode = _launch_once(script, remaining, out, upstream, log)
+        done = [flow for flow in remaining if (out / f"{flow}.rank0.json").exists()]
+        crashed = [flow for flow in done if json.loads((out / f"{flow}.rank0.json").read_text())["status"] != "ok"]
+        remaining = [flow for flow in remaining if flow not in done]
+        if returncode == 0 or not remaining or not crashed:
+            return Launch(out, returncode, log)
+        attempt += 1
+
+
+def _launch_once(script: str, flows, out: Path, upstream: bool, log: Path) -> int:
     # Not runtime_env(): its LOCAL_SIZE would switch on DeepSpeed's CPU shm allreduce, which these torchrun
     # launches have never used, and a GPU machine must still run them on CPU ranks unless told otherwise.
     env = dict(os.environ)
@@ -53,13 +69,10 @@ def launch(script: str, flows, out: Path, upstream: bool) -> Launch:
     env["DEEPSPEED_ZERO3"] = "0" if upstream else "1"
     env["PYTHONUNBUFFERED"] = "1"
     env.pop("RANK", None), env.pop("WORLD_SIZE", None), env.pop("LOCAL_RANK", None)
-    log = out / "launch.log"
     launched = run(lambda port: [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                                  "--master_port", port, HERE / script, "--out", out, "--flows", ",".join(flows)],
                    env, LAUNCH_TIMEOUT_S, log=log, cwd=HERE)
     if launched.timed_out:
         raise AssertionError(f"{script} {flows} ran past {LAUNCH_TIMEOUT_S}s; log tail:\n"
                              f"{log.read_text(errors='replace')[-6000:]}")
-    return Launch(out, launched.returncode, log)
-
-
+    return launched.returncode

@@ -21,7 +21,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import lightning.pytorch as pl  # noqa: E402
 
-from common import crash_record, finish_flow, parse_flow_args, make_net, net_loss, runtime_name, sample  # noqa: E402
+from common import (crash_record, finish_flow, full_copies, parse_flow_args, make_net, net_loss, runtime_name,  # noqa: E402
+                    sample)
 from cpu_shims import cpu_deepspeed_strategy  # noqa: E402
 
 FLOW_TIMEOUT_S = int(os.environ.get("ZERO3_INTEGRATION_FLOW_TIMEOUT", "150"))
@@ -144,12 +145,9 @@ FLOWS = {f.__name__: f for f in (validate_fit_1, validate_fit_1_call_self, valid
 
 
 def save_params(model, path):
-    import deepspeed
-
-    params = list(model.net.named_parameters())
-    with deepspeed.zero.GatheredParameters([p for _, p in params]):
-        if int(os.environ["RANK"]) == 0:
-            torch.save({name: p.detach().clone() for name, p in params}, path)
+    copies = full_copies(list(model.net.named_parameters()))
+    if int(os.environ["RANK"]) == 0:
+        torch.save(copies, path)
 
 
 def main():

@@ -11,8 +11,11 @@ The flows (client_flows.py) run a few steps each:
   between a step's forward and its backward.
 
 Each is checked against the plain-PyTorch reference (reference.py) and, with the kill switch, against
-upstream 0.19.8, which runs every one of them: there, losses, sampled tokens and final parameters are
-equal bitwise.
+upstream's runtime of the same release: where upstream runs a flow to its end, losses, sampled tokens and final
+parameters are equal bitwise. Upstream 0.19.8 runs every one of them; 0.18.4's stops in lora_checkpointing's
+first backward (torch's non-reentrant checkpoint finds a recomputed parameter of shape [0]: upstream released
+it during the recompute). Where upstream stops, ours must run to the end and whatever upstream recorded before
+it stopped must equal ours; the comparison of the rest is an xfail quoting upstream's error.
 """
 
 import importlib.util
@@ -118,11 +121,17 @@ def test_trl_removes_and_restores_the_zero3_hooks(ours, flow):
 
 @pytest.mark.parametrize("flow", FLOWS)
 def test_upstream_equals_ours_bitwise(ours, upstream, needs_both_runtimes, flow):
+    import deepspeed
+
+    crashed = None
     for rank in range(2):
         theirs, mine = upstream.result(flow, rank), ours.result(flow, rank)
         assert theirs["runtime"] == "upstream"
-        assert theirs["status"] == "ok", theirs.get("traceback")
-        for their_event, my_event in zip(theirs["events"], mine["events"], strict=True):
+        assert mine["status"] == "ok", mine.get("traceback")
+        if theirs["status"] != "ok":
+            crashed = crashed or theirs
+            assert len(theirs["events"]) <= len(mine["events"])  # what upstream recorded before it stopped
+        for their_event, my_event in zip(theirs["events"], mine["events"][:len(theirs["events"])], strict=True):
             their_event, my_event = dict(their_event), dict(my_event)
             their_hooks, my_hooks = their_event.pop("module_hooks", None), my_event.pop("module_hooks", None)
             their_event.pop("generate_gathered", None), my_event.pop("generate_gathered", None)
@@ -130,6 +139,9 @@ def test_upstream_equals_ours_bitwise(ours, upstream, needs_both_runtimes, flow)
             if my_hooks is not None:
                 # ours puts a pre- and a post-forward hook on the root to mark a pass; upstream one pre-hook
                 assert {k: my_hooks[k] - their_hooks[k] for k in my_hooks} == {"before": 1, "inside": 1, "after": 1}
+    if crashed is not None:
+        pytest.xfail(f"upstream deepspeed {deepspeed.__version__} stops in {flow}: {crashed['error_type']}: "
+                     f"{crashed['error'].splitlines()[0]}")
     theirs, mine = upstream.params(flow), ours.params(flow)
     assert theirs.keys() == mine.keys()
     assert all(torch.equal(theirs[name], mine[name]) for name in mine)
