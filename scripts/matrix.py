@@ -18,9 +18,10 @@ deleted after its last row (``--keep-venvs`` keeps them). Each suite is a make t
 committed, on the branch the matrix started on.
 
 A row is current when each of its suites passed on a commit that descends from the last change to ``src/``,
-``setup.py`` or ``pyproject.toml``: such rows are skipped, so a pass stopped anywhere resumes where it stopped
-(``--rerun`` runs them again). The disk the matrix uses (environments, op caches, pip's cache, the logs) is
-sampled every 30 s; the peak is written to ``versions-out/matrix-disk.txt``. Standard library only.
+``setup.py`` or ``pyproject.toml``: such rows are skipped, and of the other rows only the suites that are not
+current run, so a pass stopped anywhere resumes where it stopped (``--rerun`` runs everything again). The disk
+the matrix uses (environments, op caches, pip's cache, the logs) is sampled every 30 s; the peak is written to
+``versions-out/matrix-disk.txt``. Standard library only.
 """
 
 import argparse
@@ -115,20 +116,20 @@ def git(*argv) -> str:
     return result.stdout.strip() if result.returncode == 0 else ""
 
 
-def is_current(row: Row, out: Path, runtime) -> bool:
-    """Every suite of the row passed, on a commit that descends from the runtime's last change, unmodified."""
+def suite_current(row: Row, suite: str, out: Path, runtime) -> bool:
+    """The suite passed on a commit that descends from the runtime's last change, unmodified."""
     folder = out / row.name
-    if runtime is None:
+    rc, measured = folder / f"{suite}.rc", folder / f"{suite}.measured"
+    if runtime is None or not rc.exists() or not measured.exists() or rc.read_text().strip() != "0":
         return False
-    for suite in row.suites:
-        rc, measured = folder / f"{suite}.rc", folder / f"{suite}.measured"
-        if not rc.exists() or not measured.exists() or rc.read_text().strip() != "0":
-            return False
-        text = measured.read_text()
-        commits = re.findall(r"\b[0-9a-f]{12}\b", text)
-        if "uncommitted" in text or not commits or not runtime[1](commits[0]):
-            return False
-    return True
+    text = measured.read_text()
+    commits = re.findall(r"\b[0-9a-f]{12}\b", text)
+    return "uncommitted" not in text and bool(commits) and runtime[1](commits[0])
+
+
+def is_current(row: Row, out: Path, runtime) -> bool:
+    """Every suite of the row is current (``suite_current``)."""
+    return all(suite_current(row, suite, out, runtime) for suite in row.suites)
 
 
 class Environment:
@@ -178,7 +179,8 @@ def run(argv, log, env=None, cwd=None) -> int:
     return result.returncode
 
 
-def run_row(row: Row, environment: Environment, out: Path, port: int) -> bool:
+def run_row(row: Row, environment: Environment, out: Path, port: int, suites) -> bool:
+    """Run ``suites`` of the row (the others stay as they were recorded); True when they all pass."""
     folder = out / row.name
     folder.mkdir(parents=True, exist_ok=True)
     with open(folder / "install.log", "w") as log:
@@ -186,13 +188,13 @@ def run_row(row: Row, environment: Environment, out: Path, port: int) -> bool:
             environment.prepare(row.deepspeed, log)
         except RuntimeError as error:
             print(f"matrix: {row.name}: installing failed ({error}); log {folder / 'install.log'}", flush=True)
-            for suite in row.suites:
+            for suite in suites:
                 (folder / f"{suite}.rc").write_text("1\n")
             return False
     env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(environment.ops(row.deepspeed)))
     env.pop("PIP_CONSTRAINT", None)
     green = True
-    for suite in row.suites:
+    for suite in suites:
         for stale in folder.glob(f"{suite}.*"):
             stale.unlink()
         changed = subprocess.run(["git", "-C", str(REPO), "diff", "--quiet", "HEAD", "--", "src", "tests", "scripts",
@@ -315,7 +317,8 @@ def main(argv=None) -> int:
             disk.row = row.name
             environment = environments.setdefault(row.pair, Environment(root, *row.pair))
             started = time.time()
-            if not run_row(row, environment, out, args.port):
+            suites = [s for s in row.suites if args.rerun or not suite_current(row, s, out, runtime)]
+            if not run_row(row, environment, out, args.port, suites):
                 failed.append(row.name)
             subprocess.run([sys.executable, str(REPO / "scripts" / "versions_table.py"), str(out),
                             str(REPO / "docs" / "compat" / "versions.md")], stdout=subprocess.DEVNULL)

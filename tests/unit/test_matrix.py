@@ -68,3 +68,13 @@ def test_a_row_is_current_when_every_suite_passed_on_a_descendant_of_the_runtime
     assert not matrix.is_current(row, tmp_path, runtime)  # older than the runtime
     _suite(folder, "counts", 0, f"{new} + uncommitted changes, 2026-12-07")
     assert not matrix.is_current(row, tmp_path, runtime)
+
+
+def test_only_the_suites_not_current_run_again(tmp_path):
+    row = matrix.Row("0.16.3", "3.11", "2.13.0", "0.16.3", ["unit", "distributed", "parity"])
+    new = "aaaaaaaaaaaa"
+    runtime = ("cccccccccccc", lambda commit: commit == new)
+    _suite(tmp_path / "0.16.3", "unit", 0, f"{new}, 2026-12-07")
+    _suite(tmp_path / "0.16.3", "distributed", 0, f"{new}, 2026-12-07")
+    _suite(tmp_path / "0.16.3", "parity", 1, f"{new}, 2026-12-07")
+    assert [s for s in row.suites if not matrix.suite_current(row, s, tmp_path, runtime)] == ["parity"]
