@@ -43,12 +43,7 @@ DEFAULT_DEEPSPEED, DEFAULT_TORCH = "0.19.8", "2.13.0"
 
 
 def makefile_value(name: str) -> list:
-    """A variable's words as the Makefile first assigns it (``NAME := ...`` or ``NAME ?= ...``)."""
-    for line in (REPO / "Makefile").read_text().splitlines():
-        match = re.match(rf"^{name} [:?]= (.*)$", line)
-        if match:
-            return match.group(1).split()
-    raise SystemExit(f"matrix: the Makefile has no {name}")
+    return versions_table.makefile_list(REPO, name)
 
 
 class Row:

@@ -53,9 +53,13 @@ def supported_versions(repo: Path):
 
 
 def makefile_list(repo: Path, name: str):
+    """A variable's words as the Makefile first assigns it (``NAME := ...`` or ``NAME ?= ...``)."""
     text = (repo / "Makefile").read_text()
-    line = next(line for line in text.splitlines() if line.startswith(f"{name} := "))
-    return line.split(":=", 1)[1].split()
+    for line in text.splitlines():
+        match = re.match(rf"^{name} [:?]= (.*)$", line)
+        if match:
+            return match.group(1).split()
+    raise SystemExit(f"versions_table: the Makefile has no {name}")
 
 
 def torch_versions(repo: Path):
