@@ -165,13 +165,12 @@ class Environment:
         return self.ops_root / f"{deepspeed}-py{self.python}-torch{self.torch}"
 
 
-def run(argv, log, env=None, cwd=None) -> int:
+def run(argv, log, env=None, cwd=None) -> None:
     log.write(f"$ {' '.join(argv)}\n")
     log.flush()
     result = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd)
     if result.returncode != 0:
         raise RuntimeError(f"{' '.join(argv)} exited {result.returncode}")
-    return result.returncode
 
 
 def run_row(row: Row, environment: Environment, out: Path, port: int, suites) -> bool:

@@ -1,7 +1,7 @@
 """Check that a folder of wheels is complete for the GPU machine: python tools/check_wheels.py DIR.
 
 Every Requires-Dist of every wheel (extras and markers that do not apply to CPython 3.12 on Linux left out)
-must be met by a wheel in DIR or by a package the machine already has (PRESENT, read off the H200 image's
+must be met by a wheel in DIR or by a package the machine already has (PRESENT, read off the target CUDA image's
 package list); no name twice, and nothing from REFUSED (it would shadow the machine's CUDA build).
 """
 
@@ -13,9 +13,8 @@ from pathlib import Path
 
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name, parse_wheel_filename
-from packaging.version import Version
 
-# On the H200 image (python 3.12, torch 2.11.0+cu130), among others: what deepspeed, pydantic and this
+# On the target CUDA image (python 3.12, torch 2.11.0+cu130), among others: what deepspeed, pydantic and this
 # package ask for and the image holds.
 PRESENT = {
     "torch", "numpy", "einops", "msgpack", "ninja", "psutil", "py-cpuinfo", "tqdm", "packaging", "nvidia-ml-py",

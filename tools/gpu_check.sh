@@ -2,7 +2,7 @@
 # make gpu-check: check a fresh GPU machine in at most 8 minutes of wall time, and print one table.
 #
 # 1. Installs the carried wheels (make gpu-wheels, folder .whl) with `pip install --no-index --no-deps
-#    --target` into $SITE, for a machine without a network that already has CUDA torch (the H200 image:
+#    --target` into $SITE, for a machine without a network that already has CUDA torch (the target image:
 #    Python 3.12, torch 2.11 + CUDA 13). `--target` folders are not site folders, so the activation .pth
 #    would not run from PYTHONPATH alone: a sitecustomize in $BOOT adds $SITE as a site folder. Without a
 #    .whl folder nothing is installed: the environment's own deepspeed and deepspeed-zero3 are used.

@@ -3,7 +3,7 @@
 # just in time there), this package, and the dependencies such a machine lacks, for CPython 3.12 on x86-64.
 # tools/gpu_check.sh installs them with `pip install --no-index --no-deps --target`.
 #
-# What the machine already has decides the list (the H200 image: torch 2.11 + CUDA 13, numpy, transformers
+# What the machine already has decides the list (the target CUDA image: torch 2.11 + CUDA 13, numpy, transformers
 # with its dependencies, einops, msgpack, ninja, psutil, py-cpuinfo, tqdm, packaging, nvidia-ml-py): shipping
 # torch or numpy would replace the CUDA build there. Missing there: hjson and pydantic with its own
 # dependencies; typing-extensions travels too, because pydantic needs a newer one than torch asks for.

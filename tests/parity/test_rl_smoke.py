@@ -6,8 +6,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from deepspeed_zero3.testing import launching
 
 REPO = Path(__file__).resolve().parent.parent.parent
