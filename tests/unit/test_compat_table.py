@@ -1,5 +1,6 @@
 """tools/upstream_compat.py's table: one release per page ([Note: a release of the compat table])."""
 
+import json
 import sys
 from pathlib import Path
 
@@ -71,3 +72,11 @@ def test_resume_needs_the_same_commit_pytest_and_shims():
     assert upstream_compat.same_release(old, fresh)
     fresh["release"]["ours"] = {"commit": "fedcba987654", "changed_files": []}
     assert not upstream_compat.same_release(old, fresh)
+
+
+def test_each_committed_page_is_its_results_rendered():
+    """A page is a record: it says what its JSON says (the commit, and whether the runtime changed since), no more."""
+    pages = sorted((Path(__file__).resolve().parent.parent.parent / "docs" / "compat").glob("upstream-unit-tests*.json"))
+    assert pages
+    for results in pages:
+        assert results.with_suffix(".md").read_text() == upstream_compat.render(json.loads(results.read_text())), results
