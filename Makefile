@@ -178,9 +178,10 @@ TEST_VERSIONS ?= $(SUPPORTED_DEEPSPEED_VERSIONS)
 TEST_TORCH_VERSIONS ?= $(TORCH_VERSIONS)
 TEST_PYTHON_VERSIONS ?= $(PYTHON_VERSIONS)
 TEST_CLIENTS ?= lightning hf
-# The whole suites for the first and last patch of each minor series and where the caller contract or a detected
-# feature changes (docs/maintaining.md); the others get the unit tests, the parity smoke and the exact counts.
-FULL_VERSIONS ?= 0.16.0 0.16.3 0.16.4 0.16.9 0.17.0 0.17.6 0.18.0 0.18.1 0.18.9 0.19.0 0.19.3 0.19.4 0.19.8
+# The whole suites for the first and last patch of each minor series, where the caller contract or a detected
+# feature changes (docs/maintaining.md), and the clients' pinned releases (0.16.9, 0.18.4: their users get the two
+# engines, frozen submodules and the rest too); the others get the unit tests, the parity smoke and the exact counts.
+FULL_VERSIONS ?= 0.16.0 0.16.3 0.16.4 0.16.9 0.17.0 0.17.6 0.18.0 0.18.1 0.18.4 0.18.9 0.19.0 0.19.3 0.19.4 0.19.8
 VERSION_SUITES ?= unit distributed parity
 SMOKE_VERSION_SUITES ?= unit parity-smoke counts
 TORCH_SUITES ?= unit parity-torch counts-torch

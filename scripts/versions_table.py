@@ -181,28 +181,32 @@ def previous_rows(text: str):
 _COMMIT = re.compile(r"\b[0-9a-f]{12}\b")
 
 
-def older_rows(rows, runtime):
-    """The names of ``rows`` not measured on the runtime that ships: a row is current when every commit its
-    ``measured`` cell names descends from ``runtime``'s last change (``(commit, descends(commit))``)."""
+def older_rows(rows, runtime, required):
+    """The names of ``rows`` not measured in full on the runtime that ships: a row is current when every commit its
+    ``measured`` cell names descends from ``runtime``'s last change (``(commit, descends(commit))``) and each cell
+    ``required(row)`` indexes passed (``ok: ...``, or ``in <suite>`` for a suite run inside another)."""
     if runtime is None:
         return []
     _, descends = runtime
     older = []
-    for name, measured_cell, *_ in rows:
+    for row in rows:
+        name, measured_cell = row[0], row[1]
         commits = _COMMIT.findall(measured_cell)
-        if not commits or not all(descends(commit) for commit in commits):
+        passed = all(row[i].startswith(("ok: ", "in ")) for i in required(row))
+        if not commits or not all(descends(commit) for commit in commits) or not passed:
             older.append(name)
     return older
 
 
-def staleness_line(rows, runtime):
-    older = older_rows(rows, runtime)
+def staleness_line(rows, runtime, required):
+    older = older_rows(rows, runtime, required)
     if runtime is None:
         return []
     if not older:
-        return ["", f"Every row was measured on the runtime that ships (its last change: `{runtime[0]}`)."]
-    return ["", f"Not measured on the runtime that ships (its last change to `src/`, `setup.py` or `pyproject.toml`: "
-            f"`{runtime[0]}`): older or never run, to be run again: {', '.join(older)}."]
+        return ["", f"Every row was measured in full on the runtime that ships (its last change: `{runtime[0]}`)."]
+    return ["", f"Not measured in full on the runtime that ships (its last change to `src/`, `setup.py` or "
+            f"`pyproject.toml`: `{runtime[0]}`): older, never run, or a suite of the row not run or not passed; to "
+            f"be run again: {', '.join(older)}."]
 
 
 def git_runtime(repo: Path = REPO):
@@ -218,8 +222,9 @@ def git_runtime(repo: Path = REPO):
 
 
 def render(results_dir: Path, versions, torches, today: str, previous: str = "", runtime=None,
-           pythons=(), clients=()) -> str:
-    """``runtime``: see ``git_runtime``; with it, each table ends with the rows older than the runtime."""
+           pythons=(), clients=(), full=()) -> str:
+    """``runtime``: see ``git_runtime``; with it, each table ends with the rows not measured in full on the runtime
+    that ships. ``full``: the releases that run the whole suites (the Makefile's FULL_VERSIONS)."""
     table = _tables().markdown_table
     kept = previous_rows(previous)
 
@@ -244,9 +249,10 @@ def render(results_dir: Path, versions, torches, today: str, previous: str = "",
         "",
         "torch 2.13.0 (CPU build), `deepspeed==<release>`. Every release: unit tests, one 2-rank parity launch per",
         "runtime over the Makefile's `SMOKE_SCENARIOS` (ours vs upstream's runtime of the same release, bitwise)",
-        "and ours' exact-count tests (`COUNT_TESTS`, 2 ranks). The first and last patch of each minor series and",
-        "the releases where the contract changes (the Makefile's `FULL_VERSIONS`) run the whole suites instead:",
-        "every distributed test (2 ranks, gloo) and every parity scenario (2 and 4 ranks), which include those.",
+        "and ours' exact-count tests (`COUNT_TESTS`, 2 ranks). The first and last patch of each minor series, the",
+        "releases where the contract changes and the clients' releases (the Makefile's `FULL_VERSIONS`) run the",
+        "whole suites instead: every distributed test (2 ranks, gloo) and every parity scenario (2 and 4 ranks),",
+        "which include those.",
         "",
     ]
     def release_cells(folder: Path):
@@ -258,7 +264,8 @@ def render(results_dir: Path, versions, torches, today: str, previous: str = "",
             for version in versions]
     lines.append(table(("deepspeed", "measured", "unit", "distributed", "parity", "parity smoke", "exact counts"),
                        rows, align="l" * (2 + len(SUITES))))
-    lines += staleness_line(rows, runtime)
+    # unit, distributed, parity for a release of FULL_VERSIONS; else unit, parity smoke, exact counts.
+    lines += staleness_line(rows, runtime, lambda row: (2, 3, 4) if row[0] in full else (2, 5, 6))
     lines += [
         "",
         "## torch releases",
@@ -280,7 +287,7 @@ def render(results_dir: Path, versions, torches, today: str, previous: str = "",
             for torch in torches]
     lines.append(table(("torch", "measured", "installed", "unit", "parity smoke", "exact counts"), rows,
                        align="l" * (3 + len(TORCH_SUITES))))
-    lines += staleness_line(rows, runtime)
+    lines += staleness_line(rows, runtime, lambda row: range(3, 3 + len(TORCH_SUITES)))
     if pythons:
         lines += [
             "",
@@ -296,7 +303,7 @@ def render(results_dir: Path, versions, torches, today: str, previous: str = "",
                 for python in pythons]
         lines.append(table(("python", "measured", "installed", "unit", "parity smoke"), rows,
                            align="l" * (3 + len(PYTHON_SUITES))))
-        lines += staleness_line(rows, runtime)
+        lines += staleness_line(rows, runtime, lambda row: range(3, 3 + len(PYTHON_SUITES)))
     if clients:
         lines += [
             "",
@@ -312,7 +319,7 @@ def render(results_dir: Path, versions, torches, today: str, previous: str = "",
                     5)
                 for name, suite, what in clients]
         lines.append(table(("row", "measured", "flows", "installed", "integration"), rows, align="lllll"))
-        lines += staleness_line(rows, runtime)
+        lines += staleness_line(rows, runtime, lambda row: (4,))
     return "\n".join(lines) + "\n"
 
 
@@ -332,7 +339,8 @@ def main(argv):
     previous = output.read_text() if output.exists() else ""
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(render(results_dir, versions, torches, datetime.datetime.now(datetime.timezone.utc)
-                             .strftime("%Y-%m-%d %H:%M UTC"), previous, git_runtime(), pythons, clients))
+                             .strftime("%Y-%m-%d %H:%M UTC"), previous, git_runtime(), pythons, clients,
+                             makefile_list(REPO, "FULL_VERSIONS")))
     print(output.read_text(), end="")
     return 0
 

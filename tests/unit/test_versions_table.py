@@ -162,21 +162,40 @@ def test_the_torch_matrix_is_read_from_the_makefile():
     assert versions_table.torch_versions(REPO) == ["2.11.0", "2.12.1", "2.13.0", "2.14.1", "2.15.0"]
 
 
+def write_smoke_row(folder: Path, commit: str):
+    for suite, summary in (("unit", "250 passed in 9.0s"), ("parity-smoke", "8 passed in 50.0s"),
+                           ("counts", "22 passed in 60.0s")):
+        write_suite(folder, suite, summary + "\n", 0, 10)
+        (folder / f"{suite}.measured").write_text(f"{commit}, 2026-12-03\n")
+
+
 def test_rows_older_than_the_runtime_are_named_under_their_table(tmp_path):
     results = tmp_path / "versions-out"
-    write_suite(results / "0.19.8", "unit", "250 passed in 9.0s\n", 0, 10)
-    (results / "0.19.8" / "unit.measured").write_text("bbbbbbbbbbbb, 2026-12-03\n")
-    write_suite(results / "0.19.4", "unit", "250 passed in 9.0s\n", 0, 10)
-    (results / "0.19.4" / "unit.measured").write_text("aaaaaaaaaaaa, 2026-12-02\n")
+    write_smoke_row(results / "0.19.8", "bbbbbbbbbbbb")
+    write_smoke_row(results / "0.19.4", "aaaaaaaaaaaa")
     runtime = ("cccccccccccc", lambda commit: commit == "bbbbbbbbbbbb")  # only b descends from the last change
     text = versions_table.render(results, ["0.19.4", "0.19.8"], ["2.15.0"], "today", runtime=runtime)
-    assert ("Not measured on the runtime that ships (its last change to `src/`, `setup.py` or `pyproject.toml`: "
-            "`cccccccccccc`): older or never run, to be run again: 0.19.4.") in text
+    assert ("Not measured in full on the runtime that ships (its last change to `src/`, `setup.py` or "
+            "`pyproject.toml`: `cccccccccccc`): older, never run, or a suite of the row not run or not passed; to be "
+            "run again: 0.19.4.") in text
     assert "to be run again: 2.15.0." in text  # not run at all: no commit, so not current either
     current = ("cccccccccccc", lambda commit: True)
-    assert "Every row was measured on the runtime that ships" in versions_table.render(
+    assert "Every row was measured in full on the runtime that ships" in versions_table.render(
         results, ["0.19.4", "0.19.8"], [], "today", runtime=current)
     assert "Not measured" not in versions_table.render(results, ["0.19.4", "0.19.8"], [], "today")  # no git: no claim
+
+
+def test_a_row_missing_or_failing_a_suite_it_owes_is_not_current(tmp_path):
+    """A release of FULL_VERSIONS owes unit, distributed and parity; the others unit, parity smoke and counts."""
+    results = tmp_path / "versions-out"
+    write_smoke_row(results / "0.16.1", "bbbbbbbbbbbb")  # complete as a smoke row
+    write_smoke_row(results / "0.16.2", "bbbbbbbbbbbb")
+    write_suite(results / "0.16.2", "counts", "1 failed, 21 passed in 60.0s\n", 1, 10)
+    write_smoke_row(results / "0.16.4", "bbbbbbbbbbbb")  # a full release with the smoke's suites only
+    current = ("cccccccccccc", lambda commit: True)
+    text = versions_table.render(results, ["0.16.1", "0.16.2", "0.16.4"], [], "today", runtime=current,
+                                 full=["0.16.4"])
+    assert "to be run again: 0.16.2, 0.16.4." in text
 
 
 def test_the_clients_table_names_each_row_release_and_what_it_ran(tmp_path):
