@@ -180,9 +180,11 @@ def run_row(row: Row, environment: Environment, out: Path, port: int, suites) ->
     """Run ``suites`` of the row (the others stay as they were recorded); True when they all pass."""
     folder = out / row.name
     folder.mkdir(parents=True, exist_ok=True)
+    start = time.time()
     with open(folder / "install.log", "w") as log:
         try:
             environment.prepare(row.deepspeed, log)
+            (folder / "install.seconds").write_text(f"{int(time.time() - start)}\n")
         except RuntimeError as error:
             print(f"matrix: {row.name}: installing failed ({error}); log {folder / 'install.log'}", flush=True)
             for suite in suites:
@@ -224,6 +226,10 @@ class DiskWatch:
     def __init__(self, paths, record: Path):
         self.paths, self.record = [p for p in paths if p], record
         self.peak, self.peak_at, self.row = 0, "", "start"
+        # A pass stopped and resumed is one pass: its peak is the largest of every run's.
+        earlier = re.match(r"peak ([\d.]+) GiB", record.read_text()) if record.exists() else None
+        if earlier:
+            self.peak = int(float(earlier.group(1)) * 2**30)
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self._watch, daemon=True)
 

@@ -221,6 +221,35 @@ def git_runtime(repo: Path = REPO):
     return commit, lambda other: git("merge-base", "--is-ancestor", commit, other).returncode == 0
 
 
+_SECONDS = re.compile(r"; (\d+) s\b")
+
+
+def cost_section(slices, results_dir: Path, runtime):
+    """What the pass costs: per slice, the rows measured in full on the runtime that ships, their suites' seconds
+    (from the cells) and their installs' (``install.seconds``, where the matrix recorded it), and the peak disk."""
+    if runtime is None:
+        return []
+    table_rows = []
+    for name, rows, required in slices:
+        current = [row for row in rows if row[0] not in older_rows([row], runtime, required)]
+        suites = sum(int(m) for row in current for cell in row[2:] for m in _SECONDS.findall(cell))
+        installs = [int(value) for row in current if (value := _text(results_dir / row[0] / "install.seconds"))]
+        install = sum(installs)
+        table_rows.append([name, f"{len(current)} of {len(rows)}", f"{suites / 60:.0f}",
+                           f"{install / 60:.0f} ({len(installs)} row{'' if len(installs) == 1 else 's'})",
+                           f"{(suites + install) / 60:.0f}"])
+    disk = re.match(r"peak ([\d.]+ GiB) during (\S+) .*; (.+)$", _text(results_dir / "matrix-disk.txt") or "")
+    return ["", "## What a pass costs", "",
+            "Wall time of the rows above that were measured in full on the runtime that ships, run one at a time: the",
+            "suites' seconds of their cells, and installing each release into its environment where the matrix timed",
+            "it (`install.seconds`). Creating an environment and deleting it are not counted. The peak disk is the",
+            "largest the matrix held (environments, op caches, pip's cache, the logs) over every run of the pass.",
+            "",
+            _tables().markdown_table(("slice", "rows current", "suites, min", "installs, min", "total, min"),
+                                     table_rows, align="lrrrr"),
+            "", f"Peak disk: {f'{disk[1]}, while {disk[2]} ran ({disk[3]})' if disk else 'not recorded'}."]
+
+
 def render(results_dir: Path, versions, torches, today: str, previous: str = "", runtime=None,
            pythons=(), clients=(), full=()) -> str:
     """``runtime``: see ``git_runtime``; with it, each table ends with the rows not measured in full on the runtime
@@ -264,8 +293,11 @@ def render(results_dir: Path, versions, torches, today: str, previous: str = "",
             for version in versions]
     lines.append(table(("deepspeed", "measured", "unit", "distributed", "parity", "parity smoke", "exact counts"),
                        rows, align="l" * (2 + len(SUITES))))
-    # unit, distributed, parity for a release of FULL_VERSIONS; else unit, parity smoke, exact counts.
-    lines += staleness_line(rows, runtime, lambda row: (2, 3, 4) if row[0] in full else (2, 5, 6))
+    def owed(row):  # unit, distributed, parity for a release of FULL_VERSIONS; else unit, parity smoke, counts
+        return (2, 3, 4) if row[0] in full else (2, 5, 6)
+    lines += staleness_line(rows, runtime, owed)
+    slices = [("deepspeed, whole suites", [row for row in rows if row[0] in full], owed),
+              ("deepspeed, smoke", [row for row in rows if row[0] not in full], owed)]
     lines += [
         "",
         "## torch releases",
@@ -288,6 +320,7 @@ def render(results_dir: Path, versions, torches, today: str, previous: str = "",
     lines.append(table(("torch", "measured", "installed", "unit", "parity smoke", "exact counts"), rows,
                        align="l" * (3 + len(TORCH_SUITES))))
     lines += staleness_line(rows, runtime, lambda row: range(3, 3 + len(TORCH_SUITES)))
+    slices.append(("torch", rows, lambda row: range(3, 3 + len(TORCH_SUITES))))
     if pythons:
         lines += [
             "",
@@ -304,6 +337,7 @@ def render(results_dir: Path, versions, torches, today: str, previous: str = "",
         lines.append(table(("python", "measured", "installed", "unit", "parity smoke"), rows,
                            align="l" * (3 + len(PYTHON_SUITES))))
         lines += staleness_line(rows, runtime, lambda row: range(3, 3 + len(PYTHON_SUITES)))
+        slices.append(("Python", rows, lambda row: range(3, 3 + len(PYTHON_SUITES))))
     if clients:
         lines += [
             "",
@@ -320,6 +354,8 @@ def render(results_dir: Path, versions, torches, today: str, previous: str = "",
                 for name, suite, what in clients]
         lines.append(table(("row", "measured", "flows", "installed", "integration"), rows, align="lllll"))
         lines += staleness_line(rows, runtime, lambda row: (4,))
+        slices.append(("clients", rows, lambda row: (4,)))
+    lines += cost_section(slices, results_dir, runtime)
     return "\n".join(lines) + "\n"
 
 

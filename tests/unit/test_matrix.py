@@ -81,3 +81,12 @@ def test_only_the_suites_not_current_run_again(tmp_path):
     _suite(tmp_path / "0.16.3", "distributed", 0, f"{new}, 2026-12-07")
     _suite(tmp_path / "0.16.3", "parity", 1, f"{new}, 2026-12-07")
     assert [s for s in row.suites if not matrix.suite_current(row, s, tmp_path, runtime)] == ["parity"]
+
+
+def test_the_disk_peak_of_a_resumed_pass_keeps_the_earlier_runs(tmp_path):
+    record = tmp_path / "matrix-disk.txt"
+    record.write_text("peak 2.40 GiB during 0.16.4 (x); 2026-12-07 06:27\n")
+    watch = matrix.DiskWatch([tmp_path / "nothing-here"], record)
+    watch.sample()  # holds 0 bytes: not a new peak
+    assert record.read_text().startswith("peak 2.40 GiB during 0.16.4")
+    assert watch.peak == int(2.40 * 2**30)

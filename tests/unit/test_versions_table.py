@@ -216,3 +216,18 @@ def test_the_clients_table_names_each_row_release_and_what_it_ran(tmp_path):
     ]
     again = versions_table.render(tmp_path / "empty", [], [], "later", previous=text, clients=clients)
     assert [line for line in again.splitlines() if line.startswith("| lightning-")] == rows[:1]
+
+
+def test_what_a_pass_costs_counts_the_current_rows_suites_and_installs(tmp_path):
+    results = tmp_path / "versions-out"
+    write_smoke_row(results / "0.16.1", "bbbbbbbbbbbb")  # 3 suites of 10 s
+    (results / "0.16.1" / "install.seconds").write_text("90\n")
+    write_smoke_row(results / "0.16.2", "aaaaaaaaaaaa")  # older: not counted
+    (results / "matrix-disk.txt").write_text(
+        "peak 2.40 GiB during 0.16.4 (/somewhere/matrix, /somewhere/pip); 2026-12-07 06:27\n")
+    runtime = ("cccccccccccc", lambda commit: commit == "bbbbbbbbbbbb")
+    text = versions_table.render(results, ["0.16.1", "0.16.2"], [], "today", runtime=runtime)
+    assert "| deepspeed, smoke | 1 of 2 | 0 | 2 (1 row) | 2 |" in text  # 30 s of suites, 90 s installing
+    assert "| deepspeed, whole suites | 0 of 0 | 0 | 0 (0 rows) | 0 |" in text
+    assert "Peak disk: 2.40 GiB, while 0.16.4 ran (2026-12-07 06:27)." in text
+    assert "/somewhere" not in text
