@@ -9,9 +9,9 @@ results, which it keeps in ``docs/compat/upstream-unit-tests.json``.
 [Note: a release of the compat table]
 The table is only as good as the run behind it, so the page is one full run on one commit of this
 repository, named on the page with the pytest it ran under, the shims and the CPU's fp16 support: a full
-run starts from an empty store and keeps no row of an earlier run (``--resume`` continues a stopped run of
-the same commit, pytest and shims only). A partial run (``--files``) writes its own table under the work
-directory, never the docs. A test that did not report (its pytest crashed or timed out) is counted *not
+run starts from an empty store and keeps no row of an earlier run (``--resume`` continues a stopped run
+only while nothing it measures, ``MEASURED_PATHS``, changed since its commit, under the same pytest and
+shims). A partial run (``--files``) writes its own table under the work directory, never the docs. A test that did not report (its pytest crashed or timed out) is counted *not
 run*, with why; a module that skips itself at collection on this machine (fp16 tests on a CPU without
 fp16) is listed as not applicable here instead of being dropped.
 
@@ -422,10 +422,24 @@ def new_release(upstream: dict, shims: list, pytest_version: str, today: str) ->
             "files": {}}
 
 
-def same_release(store: dict, fresh: dict) -> bool:
-    """Whether ``store`` is a stopped run that ``--resume`` may continue: same commit, upstream, pytest, shims."""
+# What a run measures of this repository: the runtime, and the shims applied to upstream's tests.
+MEASURED_PATHS = ("src", "setup.py", "pyproject.toml", "tools/compat_shims.py")
+
+
+def measured_unchanged_since(commit: str) -> bool:
+    """Whether nothing a run measures differs between ``commit`` and the working tree."""
+    return subprocess.run(["git", "-C", str(REPO), "diff", "--quiet", commit, "--", *MEASURED_PATHS]).returncode == 0
+
+
+def same_release(store: dict, fresh: dict, unchanged_since=measured_unchanged_since) -> bool:
+    """Whether ``store`` is a stopped run that ``--resume`` may continue: same upstream tests, pytest and shims,
+    and nothing it measures changed since its commit (commits of docs, tests or this script in between do not
+    change what the remaining files would measure)."""
     old, new = store.get("release") or {}, fresh["release"]
-    return all(old.get(key) == new[key] for key in ("ours", "upstream", "pytest", "shims"))
+    if not all(old.get(key) == new[key] for key in ("upstream", "pytest", "shims")):
+        return False
+    ours = old.get("ours") or {}
+    return not ours.get("changed_files") and "commit" in ours and unchanged_since(ours["commit"])
 
 
 def update_store(store: dict, collections: dict, ran: dict, today: str) -> None:
@@ -633,8 +647,9 @@ def main(argv=None):
     parser.add_argument("--collect-only", action="store_true", help="collect and count only, into <work>")
     parser.add_argument("--render-only", action="store_true", help="rebuild the table from the results store only")
     parser.add_argument("--resume", action="store_true",
-                        help="continue a stopped full run of the same commit, upstream tests, pytest and shims: files "
-                        "it holds are not run again")
+                        help="continue a stopped full run of the same upstream tests, pytest and shims, while nothing "
+                        "it measures (src/, setup.py, pyproject.toml, the shims) changed since its commit: files it "
+                        "holds are not run again")
     parser.add_argument("--timeout", type=int, default=3600, help="seconds per file and runtime (a file of 70 "
                         "distributed tests takes about 25 minutes on 2 cores)")
     parser.add_argument("--pytest", default=UPSTREAM_PYTEST, help="pytest version the tests run under, installed "
@@ -674,7 +689,8 @@ def main(argv=None):
     if args.resume and args.results.exists():
         earlier = json.loads(args.results.read_text())
         if not same_release(earlier, store):
-            sys.exit(f"--resume: {args.results} holds a run of another commit, upstream, pytest or shims "
+            sys.exit(f"--resume: {args.results} holds a run of other upstream tests, pytest or shims, or "
+                     f"{', '.join(MEASURED_PATHS)} changed since its commit "
                      f"({(earlier.get('release') or {}).get('ours')}); start a full run without --resume")
         store = earlier
     if store["release"]["ours"]["changed_files"] and not partial:

@@ -66,12 +66,13 @@ def test_modules_skipped_at_collection_are_not_applicable_here():
     assert "* `a/test_fp16.py`: fp16 is not supported on this accelerator" in page
 
 
-def test_resume_needs_the_same_commit_pytest_and_shims():
+def test_resume_needs_the_same_runtime_pytest_and_shims():
     old = store()
-    fresh = {"release": dict(old["release"])}
-    assert upstream_compat.same_release(old, fresh)
-    fresh["release"]["ours"] = {"commit": "fedcba987654", "changed_files": []}
-    assert not upstream_compat.same_release(old, fresh)
+    fresh = {"release": dict(old["release"], ours={"commit": "fedcba987654", "changed_files": []})}
+    assert upstream_compat.same_release(old, fresh, unchanged_since=lambda commit: commit == "abc123def456")
+    assert not upstream_compat.same_release(old, fresh, unchanged_since=lambda commit: False)
+    fresh["release"]["pytest"] = "9.2.0"
+    assert not upstream_compat.same_release(old, fresh, unchanged_since=lambda commit: True)
 
 
 def test_each_committed_page_is_its_results_rendered():
