@@ -81,3 +81,74 @@ def test_each_committed_page_is_its_results_rendered():
     assert pages
     for results in pages:
         assert results.with_suffix(".md").read_text() == upstream_compat.render(json.loads(results.read_text())), results
+
+
+def checked_store(alone_outcomes):
+    """store()'s run with [Note: a test run alone]'s steps, run alone by ``alone_outcomes[(runtime, nodeid)]``."""
+    release = store()
+    collections = {rt: {"items": [{"nodeid": "unit/a/test_x.py::test_one", "stage3": True},
+                                  {"nodeid": "unit/a/test_x.py::test_two", "stage3": True}],
+                        "errors": [], "skipped_modules": []} for rt in upstream_compat.RUNTIMES}
+    per_runtime = {"upstream": {"unit/a/test_x.py::test_one": ("P", ""), "unit/a/test_x.py::test_two": ("P", "")},
+                   "ours": {"unit/a/test_x.py::test_one": ("F", "AssertionError: not equal"),
+                            "unit/a/test_x.py::test_two": ("NR", "did not report (timed out)")}}
+    runs = []
+
+    def run_alone(work, test_file, nodeid, runtime, pytest_dir, tag):
+        runs.append((runtime, nodeid, tag))
+        return alone_outcomes[(runtime, nodeid)].pop(0), ""
+
+    original = upstream_compat.run_alone
+    upstream_compat.run_alone = run_alone
+    try:
+        checks = upstream_compat.check_file(Path("."), "unit/a/test_x.py", per_runtime, None)
+    finally:
+        upstream_compat.run_alone = original
+    upstream_compat.update_store(release, collections, {"unit/a/test_x.py": per_runtime}, "2026-12-07",
+                                 {"unit/a/test_x.py": checks})
+    return release, runs
+
+
+def test_a_test_that_did_not_report_is_run_alone_once_and_counts():
+    release, runs = checked_store({("ours", "unit/a/test_x.py::test_two"): ["P"],
+                                   ("upstream", "unit/a/test_x.py::test_one"): ["P", "P", "P"],
+                                   ("ours", "unit/a/test_x.py::test_one"): ["F", "P", "F"]})
+    assert ("ours", "unit/a/test_x.py::test_two", "alone") in runs
+    page = upstream_compat.render(release)
+    assert "| a/test_x.py | 2 | 2 | 2 | 2 / 0 / 0 / 0 / 0 / 0 | 1 / **1** / 0 / 0 / 0 / 0 |" in page
+    assert "* `a/test_x.py` under ours: 1" in page
+    assert "Tests that did not report:" not in page
+
+
+def test_a_difference_upstream_also_shows_alone_fails_at_random_under_both():
+    release, runs = checked_store({("ours", "unit/a/test_x.py::test_two"): ["P"],
+                                   ("upstream", "unit/a/test_x.py::test_one"): ["P", "F", "P"],
+                                   ("ours", "unit/a/test_x.py::test_one"): ["P", "P", "F"]})
+    assert sum(1 for rt, nodeid, tag in runs if nodeid.endswith("test_one")) == 2 * upstream_compat.REPEATS
+    diff, = release["files"]["unit/a/test_x.py"]["run"]["differences"]
+    assert diff["at_random"] and not upstream_compat.unexplained(diff)
+    assert ("* `a/test_x.py::test_one`: upstream P, ours F; fails at random under both runtimes (run alone 3 times: "
+            "upstream PFP, ours PPF)") in upstream_compat.render(release)
+
+
+def test_a_difference_only_ours_shows_alone_stays_a_bug_with_its_outcomes():
+    release, _ = checked_store({("ours", "unit/a/test_x.py::test_two"): ["NR"],
+                                ("upstream", "unit/a/test_x.py::test_one"): ["P", "P", "P"],
+                                ("ours", "unit/a/test_x.py::test_one"): ["F", "F", "P"]})
+    diffs = release["files"]["unit/a/test_x.py"]["run"]["differences"]
+    assert [upstream_compat.unexplained(d) for d in diffs] == [True, True]
+    page = upstream_compat.render(release)
+    assert ("* `a/test_x.py::test_one`: upstream P, ours F; **not on purpose: a bug to fix** (run alone 3 times: "
+            "upstream PPP, ours FFP)") in page
+    assert "did not report when run alone either" in page
+
+
+def test_upstream_failing_with_its_own_cpu_error_is_category_u_not_a_bug():
+    nodeid = "unit/runtime/zero/test_zero_leaf_module.py::TestZ3LeafOptimization::test_finegrained_optimization[12100]"
+    per_runtime = {"upstream": {nodeid: ("F", "RuntimeError: Invalid device string: '0'")},
+                   "ours": {nodeid: ("P", "")}}
+    diff, = upstream_compat.differences(per_runtime)
+    assert diff["category"] == "u" and not upstream_compat.unexplained(diff)
+    per_runtime["upstream"][diff["nodeid"]] = ("F", "AssertionError")
+    diff, = upstream_compat.differences(per_runtime)
+    assert upstream_compat.unexplained(diff)
