@@ -291,7 +291,8 @@ def installed_pytest_version() -> str:
 
 
 def child_env(runtime: str, pytest_dir=None, **extra) -> dict:
-    env = dict(os.environ, **ENV, DEEPSPEED_ZERO3=RUNTIMES[runtime], **extra)
+    env = dict(os.environ, **ENV)
+    env.update(DEEPSPEED_ZERO3=RUNTIMES[runtime], **extra)
     paths = (str(REPO / "tools"), str(pytest_dir) if pytest_dir else None, env.get("PYTHONPATH"))
     env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
     return env
@@ -352,7 +353,8 @@ def file_stem(test_file: str) -> str:
     return test_file.replace("/", "_")[:-3]
 
 
-def run_file(work: Path, test_file: str, nodeids, runtime: str, timeout: int, pytest_dir, label=None) -> dict:
+def run_file(work: Path, test_file: str, nodeids, runtime: str, timeout: int, pytest_dir, label=None,
+             env=None) -> dict:
     """Run ``nodeids`` of ``test_file`` in one pytest process; ``label`` names its logs (default: the file's)."""
     stem = label or file_stem(test_file)
     select = work / "select" / f"{stem}.json"
@@ -369,7 +371,8 @@ def run_file(work: Path, test_file: str, nodeids, runtime: str, timeout: int, py
     (work / "logs").mkdir(exist_ok=True)
     shm_before = set(shm_buffers())
     with open(work / "logs" / f"{stem}.{runtime}.log", "w") as output:
-        proc = subprocess.Popen(command, cwd=work, env=child_env(runtime, pytest_dir, **{SELECT_ENV: str(select)}),
+        proc = subprocess.Popen(command, cwd=work, env=child_env(runtime, pytest_dir, **{SELECT_ENV: str(select)},
+                                                              **(env or {})),
                                 stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             rc = proc.wait(timeout=timeout)
@@ -416,13 +419,28 @@ def run_file(work: Path, test_file: str, nodeids, runtime: str, timeout: int, py
 #   failing outcome shows up under upstream too, the page lists it as failing at random under both, with the
 #   outcomes, and it is no longer unexplained; otherwise it stays a difference to fix, with the outcomes.
 # Nothing is retried to make a test pass: the file run's outcome stays in the counts for a repeated test.
+# A test that passes alone takes under 30 s here, so a run alone gets upstream's per-test timeout at 180 s, not
+# 300; and tests that hang under both runtimes on this machine (HANGS_HERE) are not run alone at all: each
+# would cost that timeout twice and measure nothing.
 REPEATS = 3
-ALONE_TIMEOUT_S = 900
+ALONE_UNITTEST_TIMEOUT_S = 180
+ALONE_TIMEOUT_S = ALONE_UNITTEST_TIMEOUT_S + 240
+# (node-id regex, why): tests that hang under both runtimes here, so they stay not run.
+HANGS_HERE = [
+    (r"test_zero_tensor_fragment\.py::.*\[nvme-",
+     "NVMe optimizer offload hangs under both runtimes on this machine (0.16.9: the first nvme variant reached "
+     "upstream's 300 s test timeout under each)"),
+]
+
+
+def hangs_here(nodeid: str):
+    return next((why for pattern, why in HANGS_HERE if re.search(pattern, nodeid)), None)
 
 
 def run_alone(work: Path, test_file: str, nodeid: str, runtime: str, pytest_dir, tag: str):
     label = f"{file_stem(test_file)}.{tag}.{zlib.crc32(nodeid.encode()):08x}"
-    return run_file(work, test_file, [nodeid], runtime, ALONE_TIMEOUT_S, pytest_dir, label=label)[nodeid]
+    return run_file(work, test_file, [nodeid], runtime, ALONE_TIMEOUT_S, pytest_dir, label=label,
+                    env={"DS_UNITTEST_TIMEOUT": str(ALONE_UNITTEST_TIMEOUT_S)})[nodeid]
 
 
 def fill_not_reported(work: Path, test_file: str, per_runtime: dict, pytest_dir) -> dict:
@@ -430,6 +448,10 @@ def fill_not_reported(work: Path, test_file: str, per_runtime: dict, pytest_dir)
     alone = {}
     for rt, results in per_runtime.items():
         for nodeid in sorted(n for n, (outcome, _) in results.items() if outcome == "NR"):
+            hangs = hangs_here(nodeid)
+            if hangs:
+                results[nodeid] = ("NR", f"{results[nodeid][1]}; not run alone: {hangs}")
+                continue
             outcome, message = run_alone(work, test_file, nodeid, rt, pytest_dir, "alone")
             alone.setdefault(rt, []).append(nodeid)
             if outcome != "NR":

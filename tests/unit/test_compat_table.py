@@ -152,3 +152,20 @@ def test_upstream_failing_with_its_own_cpu_error_is_category_u_not_a_bug():
     per_runtime["upstream"][diff["nodeid"]] = ("F", "AssertionError")
     diff, = upstream_compat.differences(per_runtime)
     assert upstream_compat.unexplained(diff)
+
+
+def test_a_test_that_hangs_here_under_both_is_not_run_alone():
+    nodeid = "unit/runtime/zero/test_zero_tensor_fragment.py::TestTensorFragmentGet::test_zero_fragments[nvme-3-local]"
+    per_runtime = {rt: {nodeid: ("NR", "did not report (pytest exit 1)")} for rt in upstream_compat.RUNTIMES}
+    original, upstream_compat.run_alone = upstream_compat.run_alone, None  # would raise if called
+    try:
+        assert upstream_compat.fill_not_reported(Path("."), "unit/x.py", per_runtime, None) == {}
+    finally:
+        upstream_compat.run_alone = original
+    outcome, why = per_runtime["ours"][nodeid]
+    assert outcome == "NR" and why.startswith("did not report (pytest exit 1); not run alone: NVMe optimizer offload")
+
+
+def test_a_run_alone_gets_a_shorter_per_test_timeout():
+    env = upstream_compat.child_env("ours", None, DS_UNITTEST_TIMEOUT="180")
+    assert env["DS_UNITTEST_TIMEOUT"] == "180" and env["DEEPSPEED_ZERO3"] == "1"
