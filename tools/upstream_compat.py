@@ -766,6 +766,8 @@ def render(store: dict) -> str:
                 label = f"on purpose, category ({diff['category']}): {diff['why']}"
             elif diff.get("at_random"):
                 label = "fails at random under both runtimes"
+            elif diff["upstream"] == "F" and diff["ours"] == "P":
+                label = "**upstream fails and ours passes: to explain**"
             else:
                 label = "**not on purpose: a bug to fix**"
             if "repeats" in diff:

@@ -169,3 +169,14 @@ def test_a_test_that_hangs_here_under_both_is_not_run_alone():
 def test_a_run_alone_gets_a_shorter_per_test_timeout():
     env = upstream_compat.child_env("ours", None, DS_UNITTEST_TIMEOUT="180")
     assert env["DS_UNITTEST_TIMEOUT"] == "180" and env["DEEPSPEED_ZERO3"] == "1"
+
+
+def test_upstream_failing_where_ours_passes_is_to_explain_not_a_bug_of_ours():
+    release = store()
+    collections = {rt: {"items": [{"nodeid": "unit/a/test_w.py::test_w", "stage3": True}], "errors": [],
+                        "skipped_modules": []} for rt in upstream_compat.RUNTIMES}
+    ran = {"unit/a/test_w.py": {"upstream": {"unit/a/test_w.py::test_w": ("F", "AssertionError")},
+                                "ours": {"unit/a/test_w.py::test_w": ("P", "")}}}
+    upstream_compat.update_store(release, collections, ran, "2026-12-07")
+    assert ("* `a/test_w.py::test_w`: upstream F, ours P; **upstream fails and ours passes: to explain**"
+            in upstream_compat.render(release))
