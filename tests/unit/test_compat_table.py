@@ -154,7 +154,7 @@ def test_upstream_failing_with_its_own_cpu_error_is_category_u_not_a_bug():
     assert upstream_compat.unexplained(diff)
 
 
-def test_a_test_that_hangs_here_under_both_is_not_run_alone():
+def test_a_test_that_hangs_here_is_not_run_alone():
     nodeid = "unit/runtime/zero/test_zero_tensor_fragment.py::TestTensorFragmentGet::test_zero_fragments[nvme-3-local]"
     per_runtime = {rt: {nodeid: ("NR", "did not report (pytest exit 1)")} for rt in upstream_compat.RUNTIMES}
     original, upstream_compat.run_alone = upstream_compat.run_alone, None  # would raise if called
