@@ -128,7 +128,7 @@ def test_a_difference_upstream_also_shows_alone_fails_at_random_under_both():
     diff, = release["files"]["unit/a/test_x.py"]["run"]["differences"]
     assert diff["at_random"] and not upstream_compat.unexplained(diff)
     assert ("* `a/test_x.py::test_one`: upstream P, ours F; fails at random under both runtimes (run alone 3 times: "
-            "upstream PFP, ours PPF)") in upstream_compat.render(release)
+            "upstream P/F/P, ours P/P/F)") in upstream_compat.render(release)
 
 
 def test_a_difference_only_ours_shows_alone_stays_a_bug_with_its_outcomes():
@@ -139,7 +139,7 @@ def test_a_difference_only_ours_shows_alone_stays_a_bug_with_its_outcomes():
     assert [upstream_compat.unexplained(d) for d in diffs] == [True, True]
     page = upstream_compat.render(release)
     assert ("* `a/test_x.py::test_one`: upstream P, ours F; **not on purpose: a bug to fix** (run alone 3 times: "
-            "upstream PPP, ours FFP)") in page
+            "upstream P/P/P, ours F/F/P)") in page
     assert "did not report when run alone either" in page
 
 
@@ -180,3 +180,19 @@ def test_upstream_failing_where_ours_passes_is_to_explain_not_a_bug_of_ours():
     upstream_compat.update_store(release, collections, ran, "2026-12-07")
     assert ("* `a/test_w.py::test_w`: upstream F, ours P; **upstream fails and ours passes: to explain**"
             in upstream_compat.render(release))
+
+
+def test_repeated_outcomes_are_read_as_outcomes_not_letters():
+    assert upstream_compat.outcomes_of("PNRXFF") == ["P", "NR", "XF", "F"]
+    assert not upstream_compat.at_random("P", "F", {"upstream": "PXFP", "ours": "PPP"})  # XF is not F
+    assert upstream_compat.at_random("P", "NR", {"upstream": "PNRP", "ours": "NRPP"})
+
+
+def test_a_test_known_to_fail_at_random_under_both_is_category_r():
+    nodeid = ("unit/checkpoint/test_universal_checkpoint.py::TestZeROUniversalCheckpointDP::"
+              "test_dp_world_size_2to2[False-True-3-dtype1]")
+    diff, = upstream_compat.differences({"upstream": {nodeid: ("P", "")}, "ours": {nodeid: ("NR", "timed out")}})
+    assert diff["category"] == "r" and not upstream_compat.unexplained(diff)
+    fp32 = nodeid.replace("dtype1", "dtype2")
+    diff, = upstream_compat.differences({"upstream": {fp32: ("P", "")}, "ours": {fp32: ("NR", "timed out")}})
+    assert upstream_compat.unexplained(diff)
