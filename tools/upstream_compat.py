@@ -386,16 +386,15 @@ def run_file(work: Path, test_file: str, nodeids, runtime: str, timeout: int, py
     log(f"{test_file}: {len(nodeids)} tests under {runtime}" + (f" ({stem})" if label else ""))
     (work / "logs").mkdir(exist_ok=True)
     shm_before = set(shm_buffers())
-    with open(work / "logs" / f"{stem}.{runtime}.log", "w") as output:
+    log_path = work / "logs" / f"{stem}.{runtime}.log"
+    with open(log_path, "w") as output:
         proc = subprocess.Popen(command, cwd=work, env=child_env(runtime, pytest_dir, **{SELECT_ENV: str(select)},
                                                               **(env or {})),
                                 stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            rc = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
+        rc = wait_unless_hanged(proc, log_path, timeout)
+        if rc in ("timeout", "hanged"):
             # SIGINT first: pytest stops, reports and writes the junit XML of the tests it finished, so a file
             # that overran keeps those; whatever is left of its process group is killed after a grace period.
-            rc = "timeout"
             os.killpg(proc.pid, signal.SIGINT)
             try:
                 proc.wait(timeout=TIMEOUT_GRACE_S)
@@ -415,7 +414,7 @@ def run_file(work: Path, test_file: str, nodeids, runtime: str, timeout: int, py
     results = read_junit(xml, nodeids)
     missing = [n for n in nodeids if n not in results]
     if missing:
-        why = "timed out" if rc == "timeout" else f"pytest exit {rc}"
+        why = {"timeout": "timed out", "hanged": f"a test hanged: {HANGED_LINE}"}.get(rc, f"pytest exit {rc}")
         for nodeid in missing:
             results[nodeid] = ("NR", f"did not report ({why}; log compat-out/logs/{stem}.{runtime}.log)")
     log(f"{test_file} under {runtime}: rc {rc}, {counts(results)}")
@@ -508,6 +507,37 @@ def check_file(work: Path, test_file: str, per_runtime: dict, pytest_dir) -> dic
     """The two steps of [Note: a test run alone], in place on ``per_runtime``; what they ran."""
     alone = fill_not_reported(work, test_file, per_runtime, pytest_dir)
     return {"alone": alone, "repeats": repeat_differences(work, test_file, per_runtime, pytest_dir)}
+
+
+# What upstream's DistributedTest prints when a test outlives DS_UNITTEST_TIMEOUT. pytest then ends its session,
+# but its process often does not exit: a rank blocked in a collective keeps the multiprocessing pool from
+# joining, and the file would wait out the whole --timeout.
+HANGED_LINE = "Test hanged, exiting"
+HANGED_GRACE_S = 20
+
+
+def wait_unless_hanged(proc, log_path: Path, timeout: float, poll_s: float = 5.0):
+    """The pytest's exit status; "hanged" once its log says a test hanged and it has not exited HANGED_GRACE_S
+    later (time for its junit XML); "timeout" after ``timeout`` seconds."""
+    deadline, offset, tail, hanged_at = time.monotonic() + timeout, 0, b"", None
+    while True:
+        try:
+            return proc.wait(timeout=poll_s)
+        except subprocess.TimeoutExpired:
+            pass
+        now = time.monotonic()
+        if hanged_at is None:
+            with open(log_path, "rb") as log_file:
+                log_file.seek(offset)
+                chunk = log_file.read()
+            offset += len(chunk)
+            if HANGED_LINE.encode() in tail + chunk:
+                hanged_at = now
+            tail = (tail + chunk)[-len(HANGED_LINE):]
+        if hanged_at is not None and now - hanged_at >= HANGED_GRACE_S:
+            return "hanged"
+        if now >= deadline:
+            return "timeout"
 
 
 def check_runtime(log_file: Path, runtime: str, pytest_dir) -> None:

@@ -200,3 +200,26 @@ def test_a_test_known_to_fail_at_random_under_both_is_category_r():
     diff, = upstream_compat.differences({"upstream": {deepspeed_adam_fp32: ("P", "")},
                                          "ours": {deepspeed_adam_fp32: ("F", "")}})
     assert upstream_compat.unexplained(diff)
+
+
+def test_a_pytest_whose_test_hanged_is_stopped_without_waiting_out_the_timeout(tmp_path, monkeypatch):
+    """Upstream's DistributedTest prints HANGED_LINE and ends the session, but a rank blocked in a collective
+    keeps the process alive: the driver stops it HANGED_GRACE_S later, not at the file's timeout."""
+    import subprocess
+    import time
+    monkeypatch.setattr(upstream_compat, "HANGED_GRACE_S", 0)
+    log_path = tmp_path / "run.log"
+    with open(log_path, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-c", "import time; print('x' * 5000); "
+                                 "print('!!! _pytest.outcomes.Exit: Test hanged, exiting !!!', flush=True); "
+                                 "time.sleep(120)"], stdout=out)
+        started = time.monotonic()
+        try:
+            assert upstream_compat.wait_unless_hanged(proc, log_path, timeout=100, poll_s=0.2) == "hanged"
+            assert time.monotonic() - started < 30
+        finally:
+            proc.kill()
+            proc.wait()
+    with open(log_path, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-c", "print('fine')"], stdout=out)
+        assert upstream_compat.wait_unless_hanged(proc, log_path, timeout=100, poll_s=0.2) == 0
