@@ -686,6 +686,9 @@ def classify(diff: dict) -> dict:
         why = random_under_both(diff["nodeid"])
         if why:
             diff["category"], diff["why"] = "r", why
+        elif "NR" in (diff["upstream"], diff["ours"]) and not_run_alone(diff["nodeid"]):
+            # Not a difference of the runtimes: one of them never ran it (its file run stopped before it).
+            diff["category"], diff["why"] = "n", not_run_alone(diff["nodeid"])
     return diff
 
 
@@ -829,6 +832,8 @@ def render(store: dict) -> str:
                 label = f"upstream's own failure on this CPU, category (u): {diff['why']}"
             elif diff["category"] == "r":
                 label = f"fails at random under both runtimes, category (r): {diff['why']}"
+            elif diff["category"] == "n":
+                label = f"not measured under one runtime, category (n): not run alone, as {diff['why']}"
             elif diff["category"]:
                 label = f"on purpose, category ({diff['category']}): {diff['why']}"
             elif diff.get("at_random"):
@@ -853,6 +858,9 @@ def render(store: dict) -> str:
     if "u" in used:
         lines += ["(u) upstream fails the test with an error of its own runtime code on this CPU, which a later",
                   "release fixed, and ours passes."]
+    if "n" in used:
+        lines += ["(n) one runtime's file run stopped before the test, and the test is not run alone here",
+                  "(`NOT_RUN_ALONE` in the script): the outcomes are not a difference of the runtimes."]
     if "r" in used:
         lines += ["(r) the test fails at random under both runtimes here, measured by hand (the why gives the runs);",
                   "one file run's outcomes differ by chance."]

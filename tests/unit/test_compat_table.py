@@ -223,3 +223,12 @@ def test_a_pytest_whose_test_hanged_is_stopped_without_waiting_out_the_timeout(t
     with open(log_path, "w") as out:
         proc = subprocess.Popen([sys.executable, "-c", "print('fine')"], stdout=out)
         assert upstream_compat.wait_unless_hanged(proc, log_path, timeout=100, poll_s=0.2) == 0
+
+
+def test_a_test_one_runtime_never_ran_for_a_documented_reason_is_category_n():
+    nodeid = ("unit/checkpoint/test_universal_checkpoint.py::TestZeROUniversalCheckpointDP::"
+              "test_dp_world_size_2to4[False-False-3-dtype0]")
+    diff, = upstream_compat.differences({"upstream": {nodeid: ("S", "bf16")}, "ours": {nodeid: ("NR", "timed out")}})
+    assert diff["category"] == "n" and not upstream_compat.unexplained(diff)
+    diff, = upstream_compat.differences({"upstream": {nodeid: ("S", "bf16")}, "ours": {nodeid: ("F", "boom")}})
+    assert upstream_compat.unexplained(diff)
