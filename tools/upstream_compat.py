@@ -430,9 +430,10 @@ def run_file(work: Path, test_file: str, nodeids, runtime: str, timeout: int, py
 # has two more steps per file, under the same runtimes and timeouts, each test in its own pytest process:
 # * a test that did not report in its file's run is run once alone; its outcome counts, and the page says
 #   how many were run that way;
-# * a test whose outcomes differ, not on purpose, is run alone REPEATS times under each runtime. If ours'
-#   failing outcome shows up under upstream too, the page lists it as failing at random under both, with the
-#   outcomes, and it is no longer unexplained; otherwise it stays a difference to fix, with the outcomes.
+# * a test whose outcomes differ, not on purpose, is run alone REPEATS times under each runtime. If each
+#   runtime shows the other's file-run outcome at least once, the page lists it as failing at random under
+#   both, with the outcomes, and it is no longer unexplained; otherwise it stays a difference to explain,
+#   with the outcomes (RANDOM_UNDER_BOTH then holds what was measured by hand beyond REPEATS).
 # Nothing is retried to make a test pass: the file run's outcome stays in the counts for a repeated test.
 # A test that passes alone takes under 30 s here, so a run alone gets upstream's per-test timeout at 180 s, not
 # 300; and tests that hang here when run alone (NOT_RUN_ALONE) are not run alone at all: each would cost the
