@@ -117,8 +117,9 @@ RANDOM_UNDER_BOTH = [
 ]
 
 
-def random_under_both(nodeid: str):
-    return next((why for pattern, why in RANDOM_UNDER_BOTH if re.search(pattern, nodeid)), None)
+def listed_why(table, nodeid: str):
+    """The why of the first (node-id regex, why) entry of ``table`` that matches ``nodeid``, or None."""
+    return next((why for pattern, why in table if re.search(pattern, nodeid)), None)
 
 # ------------------------------------------------------------------------------------------ pytest plugin
 
@@ -453,10 +454,6 @@ NOT_RUN_ALONE = [
 ]
 
 
-def not_run_alone(nodeid: str):
-    return next((why for pattern, why in NOT_RUN_ALONE if re.search(pattern, nodeid)), None)
-
-
 def run_alone(work: Path, test_file: str, nodeid: str, runtime: str, pytest_dir, tag: str):
     label = f"{file_stem(test_file)}.{tag}.{zlib.crc32(nodeid.encode()):08x}"
     return run_file(work, test_file, [nodeid], runtime, ALONE_TIMEOUT_S, pytest_dir, label=label,
@@ -468,7 +465,7 @@ def fill_not_reported(work: Path, test_file: str, per_runtime: dict, pytest_dir)
     alone = {}
     for rt, results in per_runtime.items():
         for nodeid in sorted(n for n, (outcome, _) in results.items() if outcome == "NR"):
-            hangs = not_run_alone(nodeid)
+            hangs = listed_why(NOT_RUN_ALONE, nodeid)
             if hangs:
                 results[nodeid] = ("NR", f"{results[nodeid][1]}; not run alone: {hangs}")
                 continue
@@ -684,12 +681,12 @@ def classify(diff: dict) -> dict:
     """A stored difference without a category, given the one RANDOM_UNDER_BOTH names (these lists explain, they
     do not measure: ``--render-only`` applies the current ones to a stored run)."""
     if not diff.get("category") and not is_xpass(diff):
-        why = random_under_both(diff["nodeid"])
-        if why:
-            diff["category"], diff["why"] = "r", why
-        elif "NR" in (diff["upstream"], diff["ours"]) and not_run_alone(diff["nodeid"]):
+        random_why, not_run_why = (listed_why(table, diff["nodeid"]) for table in (RANDOM_UNDER_BOTH, NOT_RUN_ALONE))
+        if random_why:
+            diff["category"], diff["why"] = "r", random_why
+        elif "NR" in (diff["upstream"], diff["ours"]) and not_run_why:
             # Not a difference of the runtimes: one of them never ran it (its file run stopped before it).
-            diff["category"], diff["why"] = "n", not_run_alone(diff["nodeid"])
+            diff["category"], diff["why"] = "n", not_run_why
     return diff
 
 
