@@ -64,7 +64,7 @@ LAUNCH = $(BIN)/deepspeed --num_gpus $(NPROC) --master_port $(PORT)
 RELEASE_SHM = status=$$?; rm -f /dev/shm/deepspeed_allreduce_buffer_$$(id -u)_*_$(PORT)_*; exit $$status
 DIST_PYTEST = --no_local_rank --module pytest -q -rs -p no:cacheprovider
 
-.PHONY: venv venv-int demo test test-smoke test-smoke-oldest test-parity-smoke test-counts test-smoke-torch test-parity-torch test-counts-torch test-versions test-unit test-parity test-distributed test-world4 test-integration test-integration-lightning test-integration-hf bench soak clean-locks clean \
+.PHONY: venv venv-int demo test test-smoke test-smoke-oldest test-parity-smoke test-counts test-smoke-torch test-parity-torch test-counts-torch test-versions test-fresh-install test-unit test-parity test-distributed test-world4 test-integration test-integration-lightning test-integration-hf bench soak clean-locks clean \
 	test-gpu gpu-wheels gpu-check
 
 $(BIN)/python:
@@ -195,6 +195,14 @@ test-versions:
 	$(PYTHON) scripts/matrix.py --deepspeed $(call matrix-list,$(TEST_VERSIONS)) \
 	  --torch $(call matrix-list,$(TEST_TORCH_VERSIONS)) --python $(call matrix-list,$(TEST_PYTHON_VERSIONS)) \
 	  --clients $(call matrix-list,$(TEST_CLIENTS)) $(MATRIX_ARGS)
+
+# A release as a user installs it (scripts/fresh_install.py; docs/compat/fresh-install.md): for each of
+# FRESH_VERSIONS a new venv with torch 2.13.0 and the release, `pip install .`, the release kept, `--check`, a 2-rank
+# parity launch per runtime over FRESH_SCENARIOS and two engines over one model; the venv deleted after.
+FRESH_VERSIONS ?= 0.16.0 0.16.9 0.17.6 0.18.4 0.19.3
+FRESH_SCENARIOS ?= plain_mlp,frozen_eval_submodules,train_eval_alternation,generate_with_a_second_engine_stepping
+test-fresh-install:
+	$(PYTHON) scripts/fresh_install.py --deepspeed $(call matrix-list,$(FRESH_VERSIONS))
 
 test-unit: venv
 	$(BIN)/python -m pytest -q tests/unit
