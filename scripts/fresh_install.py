@@ -8,8 +8,9 @@ For each release (default: the Makefile's FRESH_VERSIONS), in an environment cre
 2. ``pip install .`` from the repository, as README says: the deepspeed and torch it leaves, and ``pip check``;
 3. ``python -m deepspeed_zero3 --check`` exits 0, and with the kill switch (``DEEPSPEED_ZERO3=0``) 1;
 4. one 2-rank parity launch per runtime over ``FRESH_SCENARIOS`` (training, frozen submodules in eval,
-   train/eval alternation, an inference and a training engine over one model): ours against that release's
-   upstream, bitwise (``make test-parity-smoke``, which adds the test extra);
+   train/eval alternation, an inference and a training engine over one model, generating through the first):
+   ours against that release's upstream, bitwise (``make venv-int test-parity-smoke``, which adds the test extra
+   and the integration suite's client libraries: the generating model is transformers');
 5. ``tests/distributed/test_registry.py`` on 2 ranks: two engines over one model, and over two.
 
 Each step's exit status and seconds, and the versions before and after ``pip install .``, go to
@@ -92,19 +93,20 @@ class Release:
         checked = subprocess.run([self.bin("pip"), "check"], capture_output=True, text=True)
         self.record["pip_check"] = checked.stdout.strip().splitlines()[-1:] or [checked.stderr.strip()]
         with tempfile.TemporaryDirectory() as away:  # not the repository: the installed package answers
-            done = self.step("check", [self.bin("python"), "-m", "deepspeed_zero3", "--check"], cwd=away)
-            self.record["check_line"] = (done.stdout.strip().splitlines() or [""])[0]
-            self.step("kill switch", [self.bin("python"), "-m", "deepspeed_zero3", "--check"], cwd=away,
-                      env={"DEEPSPEED_ZERO3": "0"})
+            for name, env in (("check", {}), ("kill switch", {"DEEPSPEED_ZERO3": "0"})):
+                done = self.step(name, [self.bin("python"), "-m", "deepspeed_zero3", "--check"], cwd=away, env=env)
+                said = [line.split(": ", 1)[-1] for line in done.stdout.splitlines() if " overlay " in line]
+                self.record["steps"][name]["summary"] = said[0] if said else ""
         make = ["make", "--no-print-directory", f"VENV={self.venv}", f"DEEPSPEED_VERSION={self.deepspeed}",
                 f"PORT={self.port}", "NVME_OP=0"]
         env = {"TORCH_EXTENSIONS_DIR": str(ops / f"{self.deepspeed}-py{sys.version_info.major}."
                                                  f"{sys.version_info.minor}-torch{TORCH}")}
-        for name, target in (("parity", ["test-parity-smoke", f"SMOKE_SCENARIOS={scenarios}"]),
+        for name, target in (("parity", ["venv-int", "test-parity-smoke", f"SMOKE_SCENARIOS={scenarios}"]),
                              ("engines", ["test-counts", "COUNT_TESTS=tests/distributed/test_registry.py"])):
             done = self.step(name, make + target, env=env)
-            summary = versions_table.summaries(done.stdout)
-            self.record["steps"][name]["summary"] = summary[-1] if summary else ""
+            counts = versions_table.summaries(done.stdout)  # a distributed run prints one line per rank
+            self.record["steps"][name]["summary"] = ", ".join(
+                f"{n} {outcome}" for outcome, n in counts[-1].items() if n) if counts else ""
         shutil.rmtree(self.venv, ignore_errors=True)
         return self.record
 
@@ -149,7 +151,8 @@ def render(results: dict) -> str:
             f"deepspeed and torch are the same before and after it. `--check`: `python -m deepspeed_zero3 --check` "
             f"exits 0 (the runtime is ours); with `DEEPSPEED_ZERO3=0` it exits 1 (upstream's, untouched). "
             f"`parity`: one 2-rank launch per runtime over `{results['scenarios']}` (training, frozen submodules "
-            f"in eval, train/eval alternation, an inference and a training engine over one model), ours against "
+            f"in eval, train/eval alternation, an inference and a training engine over one model, generating through "
+            f"the first), ours against "
             f"the same release's upstream, bitwise. `two engines`: tests/distributed/test_registry.py on 2 ranks. "
             f"Lightning's validate-then-fit on its users' release is the `lightning` row of versions.md.\n\n"
             + tables.markdown_table(header, rows, align="l" * len(header)) + "\n")
