@@ -1,17 +1,12 @@
 """scripts/fresh_install.py: what a release installed as a user installs it must show, and its table."""
 
 import ast
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "scripts"))
-spec = importlib.util.spec_from_file_location("fresh_install", REPO / "scripts" / "fresh_install.py")
-fresh = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(fresh)
+from repo_scripts import REPO, load
+
+fresh = load("scripts/fresh_install.py")
 
 
 def passing_record():

@@ -1,12 +1,12 @@
 """The CPU-testable parts of the GPU checks: trace overlap arithmetic, the table, the wheel-set check."""
 
-import importlib.util
 import json
 import zipfile
 from pathlib import Path
 
 from deepspeed_zero3.bench.gpu.overlap import overlap_of
 from deepspeed_zero3.bench.gpu.report import table
+from repo_scripts import load
 
 REPO = Path(__file__).resolve().parent.parent.parent
 
@@ -47,9 +47,7 @@ def wheel(folder, filename, requires):
 
 
 def test_wheel_check_finds_missing_and_shadowing(tmp_path):
-    spec = importlib.util.spec_from_file_location("check_wheels", REPO / "tools" / "check_wheels.py")
-    check_wheels = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(check_wheels)
+    check_wheels = load("tools/check_wheels.py")
     wheel(tmp_path, "deepspeed-0.19.8-py3-none-any.whl", ["torch>=2.0.0", "hjson", "pytest; extra == 'dev'"])
     wheel(tmp_path, "hjson-3.1.0-py3-none-any.whl", [])
     assert check_wheels.check(tmp_path) == []

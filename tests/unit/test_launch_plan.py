@@ -1,16 +1,13 @@
 """The one-GPU decisions of ``make demo`` (tools/launch_plan.py), with torch's answers given at the boundary."""
 
-import importlib.util
 import os
 import subprocess
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-spec = importlib.util.spec_from_file_location("launch_plan", REPO / "tools" / "launch_plan.py")
-launch_plan = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(launch_plan)
+from repo_scripts import REPO, load
+
+launch_plan = load("tools/launch_plan.py")
 
 
 @pytest.mark.parametrize("cuda_available, device_count, plan", [

@@ -1,16 +1,12 @@
 """scripts/matrix.py: which rows the version matrix runs, in which environment, and which it skips as current."""
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "scripts"))
-spec = importlib.util.spec_from_file_location("matrix", REPO / "scripts" / "matrix.py")
-matrix = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(matrix)
+from repo_scripts import load
+
+matrix = load("scripts/matrix.py")
 
 
 def test_rows_are_grouped_by_environment_default_pair_first():

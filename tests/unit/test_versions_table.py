@@ -1,12 +1,10 @@
 """scripts/versions_table.py: the docs/compat/versions.md table from make test-versions' logs."""
 
-import importlib.util
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-spec = importlib.util.spec_from_file_location("versions_table", REPO / "scripts" / "versions_table.py")
-versions_table = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(versions_table)
+from repo_scripts import REPO, load
+
+versions_table = load("scripts/versions_table.py")
 
 
 def write_suite(folder: Path, suite: str, log: str, rc: int, seconds: int):
