@@ -16,7 +16,7 @@ For each release (default: the Makefile's FRESH_VERSIONS), in an environment cre
 Each step's exit status and seconds, and the versions before and after ``pip install .``, go to
 ``docs/compat/fresh-install.json`` (with the commit each release ran on) and the table to
 ``docs/compat/fresh-install.md``; ``--render-only`` writes the table again from the json. Logs in
-``versions-out/fresh-<release>/``. Standard library only.
+``versions-out/fresh-install/<release>/``. Standard library only.
 """
 
 import argparse
@@ -28,6 +28,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 from pathlib import Path
 
@@ -40,6 +41,7 @@ RESULTS = REPO / "docs" / "compat" / "fresh-install.json"
 PAGE = REPO / "docs" / "compat" / "fresh-install.md"
 PROBE = ("import importlib.metadata as m\n"
          "print(' '.join(f'{p}=={m.version(p)}' for p in ('torch', 'deepspeed')))")
+PIP_CHECK_CLEAN = "No broken requirements found."
 STEPS = ("install", "pip install .", "check", "kill switch", "parity", "engines")
 
 
@@ -54,7 +56,7 @@ class Release:
     def __init__(self, deepspeed: str, root: Path, logs: Path, port: int):
         self.deepspeed, self.port = deepspeed, port
         self.venv = root / f"fresh-{deepspeed}"
-        self.logs = logs / f"fresh-{deepspeed}"
+        self.logs = logs / "fresh-install" / deepspeed
         self.record = {"steps": {}}
 
     def step(self, name: str, argv, env=None, cwd=REPO) -> subprocess.CompletedProcess:
@@ -118,7 +120,7 @@ def expected_rc(step: str) -> int:
 def green(record: dict) -> bool:
     steps = record.get("steps", {})
     return (set(steps) == set(STEPS) and all(steps[s]["rc"] == expected_rc(s) for s in STEPS)
-            and record.get("before") == record.get("after") and record.get("pip_check") == ["No broken requirements found."])
+            and record.get("before") == record.get("after") and record.get("pip_check") == [PIP_CHECK_CLEAN])
 
 
 def render(results: dict) -> str:
@@ -143,18 +145,20 @@ def render(results: dict) -> str:
                      cell("engines")])
     header = ["deepspeed", "measured", "all", "after `pip install .`", "release kept", "`pip check`", "`--check`",
               "`--check`, kill switch", "parity", "two engines"]
+    intro = (f"Written by `{results['command']}` (scripts/fresh_install.py); do not edit by hand; `measured` is "
+             f"the commit each release ran on, and the day. Each release in a new virtual environment (Python "
+             f"{results['python']}, the CPU build of torch {TORCH}), deleted after: `pip install torch=={TORCH}`, "
+             f"`pip install deepspeed==<release>`, then `pip install .` from the repository. `release kept`: "
+             f"deepspeed and torch are the same before and after it. `--check`: `python -m deepspeed_zero3 --check` "
+             f"exits 0 (the runtime is ours); with `DEEPSPEED_ZERO3=0` it exits 1 (upstream's, untouched). "
+             f"`parity`: one 2-rank launch per runtime over `{results['scenarios']}` (training, frozen submodules "
+             f"in eval, train/eval alternation, an inference and a training engine over one model, generating "
+             f"through the first), ours against the same release's upstream, bitwise (its skipped tests are "
+             f"test_parity.py's checks of scenarios outside the list). `two engines`: "
+             f"tests/distributed/test_registry.py on 2 ranks. Lightning's validate-then-fit on its users' release is "
+             f"the `lightning` row of versions.md.")
     return (f"# A release as a user installs it\n\n"
-            f"Written by `{results['command']}` (scripts/fresh_install.py); do not edit by hand; `measured` is "
-            f"the commit each release ran on, and the day. Each release in a new virtual environment (Python "
-            f"{results['python']}, the CPU build of torch {TORCH}), deleted after: `pip install torch=={TORCH}`, "
-            f"`pip install deepspeed==<release>`, then `pip install .` from the repository. `release kept`: "
-            f"deepspeed and torch are the same before and after it. `--check`: `python -m deepspeed_zero3 --check` "
-            f"exits 0 (the runtime is ours); with `DEEPSPEED_ZERO3=0` it exits 1 (upstream's, untouched). "
-            f"`parity`: one 2-rank launch per runtime over `{results['scenarios']}` (training, frozen submodules "
-            f"in eval, train/eval alternation, an inference and a training engine over one model, generating through "
-            f"the first), ours against "
-            f"the same release's upstream, bitwise. `two engines`: tests/distributed/test_registry.py on 2 ranks. "
-            f"Lightning's validate-then-fit on its users' release is the `lightning` row of versions.md.\n\n"
+            f"{textwrap.fill(intro, 115, break_long_words=False, break_on_hyphens=False)}\n\n"
             + tables.markdown_table(header, rows, align="l" * len(header)) + "\n")
 
 

@@ -368,6 +368,7 @@ def main(argv):
     clients = client_rows(REPO)
     known = set(versions) | {f"torch-{torch}" for torch in torches} | {f"python-{p}" for p in pythons}
     known |= {name for name, _, _ in clients}
+    known.add("fresh-install")  # scripts/fresh_install.py's logs, a page of their own
     extra = sorted(p.name for p in results_dir.iterdir() if p.is_dir() and p.name not in known) \
         if results_dir.is_dir() else []
     if extra:
