@@ -149,11 +149,16 @@ class Environment:
         run([str(self.path / "bin" / "pip"), "install", "-q", *argv], log, env=env, cwd=REPO)
 
     def prepare(self, deepspeed: str, log) -> None:
-        if not (self.path / "bin" / "python").exists():
+        # Made in full or made again: a pass stopped while the environment was being made leaves one without pip
+        # or torch, which the next pass would otherwise take for made.
+        made = self.path / ".matrix-made"
+        if not made.exists():
+            shutil.rmtree(self.path, ignore_errors=True)
             run([interpreter(self.python), "-m", "venv", str(self.path)], log)
             self.pin.write_text(f"torch=={self.torch}\n")
             self.pip("--upgrade", "pip", log=log)
             self.pip(f"torch=={self.torch}", log=log)
+            made.touch()
         self.pip(f"deepspeed=={deepspeed}", log=log)
         if not (self.path / ".matrix-package").exists():
             self.pip(".[test]", log=log)

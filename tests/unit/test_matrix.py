@@ -87,3 +87,27 @@ def test_the_disk_peak_of_a_resumed_pass_keeps_the_earlier_runs(tmp_path):
     watch.sample()  # holds 0 bytes: not a new peak
     assert record.read_text().startswith("peak 2.40 GiB during 0.16.4")
     assert watch.peak == int(2.40 * 2**30)
+
+
+def test_an_environment_left_half_made_is_made_again(tmp_path, monkeypatch):
+    """A pass stopped while ``python -m venv`` ran leaves bin/python without bin/pip; the next pass remakes it."""
+    environment = matrix.Environment(tmp_path, matrix.default_python(), "2.13.0")
+    (environment.path / "bin").mkdir(parents=True)
+    (environment.path / "bin" / "python").touch()
+    stale = environment.path / "left-over"
+    stale.touch()
+    calls = []
+
+    def run(argv, log, env=None, cwd=None):
+        calls.append(argv[-3:])
+        if argv[-2] == "venv":
+            environment.path.mkdir()
+
+    monkeypatch.setattr(matrix, "run", run)
+    environment.prepare("0.16.0", log=None)
+    assert not stale.exists()
+    assert calls[0][-2:] == ["venv", str(environment.path)]
+    assert [c[-1] for c in calls[1:]] == ["pip", "torch==2.13.0", "deepspeed==0.16.0", ".[test]"]
+    calls.clear()
+    environment.prepare("0.16.1", log=None)  # made now: only the release goes in
+    assert [c[-1] for c in calls] == ["deepspeed==0.16.1"]
