@@ -158,18 +158,15 @@ def previous_rows(text: str):
     ``measured`` column gets one: the day of that page, its commit not recorded."""
     rows = {"deepspeed": {}, "torch": {}, "python": {}, "client": {}}
     written = re.search(r"Last written: (\d{4}-\d{2}-\d{2})", text)
-    section, has_measured = None, True
+    section, has_measured, header = None, True, False
+    headings = {"## deepspeed releases": "deepspeed", "## torch releases": "torch", "## Python versions": "python",
+                "## Client libraries": "client"}
     for line in text.splitlines():
-        if line.startswith("## deepspeed releases"):
-            section = "deepspeed"
-        elif line.startswith("## torch releases"):
-            section = "torch"
-        elif line.startswith("## Python versions"):
-            section = "python"
-        elif line.startswith("## Client libraries"):
-            section = "client"
-        elif section and line.startswith(f"| {section} |"):
-            has_measured = "| measured |" in line
+        heading = next((name for start, name in headings.items() if line.startswith(start)), None)
+        if line.startswith("## "):  # another heading ends the section ("What a pass costs" has a table too)
+            section, header = heading, heading is not None
+        elif section and header and line.startswith("| "):  # the table's first line (the clients' says "row")
+            has_measured, header = "| measured |" in line, False
         elif section and line.startswith("| ") and not line.startswith("| ---"):
             cells = [cell.strip() for cell in line.strip().strip("|").split(" | ")]
             if not has_measured:

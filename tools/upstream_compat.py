@@ -112,8 +112,9 @@ RANDOM_UNDER_BOTH = [
      "the fp16 variants and those training with torch.optim.Adam (lr 0.1, unseeded random data): one rank's "
      "compare_state_dicts of the loaded universal checkpoint against the state saved before the conversion fails "
      "(values apart by up to 0.63, or NaN in both) while the other goes on into training and waits in its next "
-     "collective until the test is killed. Run alone on 0.16.9: 2to2[False-True-3-dtype1] failed so in 1 of 6 runs under upstream and 4 of 9 "
-     "under ours, 4to2[False-True-3-dtype2] in 2 of 4 under upstream and 2 of 5 under ours"),
+     "collective until the test is killed. Run alone on 0.16.9: 2to2[False-True-3-dtype1] failed so in 1 of 6 "
+     "runs under upstream and 4 of 9 under ours, 4to2[False-True-3-dtype2] in 2 of 4 under upstream and 2 of 5 "
+     "under ours"),
 ]
 
 

@@ -16,19 +16,12 @@ README = (REPO / "README.md").read_text()
 CHANGELOG = (REPO / "CHANGELOG.md").read_text()
 
 
-def first_column(section: str):
-    """The first cell of each row of the table under the heading ``## <section>``."""
-    text = PAGE.split(f"## {section}\n", 1)[1].split("\n## ", 1)[0]
-    rows = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith("| ---")]
-    return [row.split("|")[1].strip() for row in rows[1:]]
-
-
 def test_every_supported_release_torch_and_python_has_a_row_and_nothing_else_does():
-    assert first_column("deepspeed releases") == list(_compat.SUPPORTED_DEEPSPEED_VERSIONS)
-    assert first_column("torch releases") == list(_compat.MEASURED_TORCH_VERSIONS)
-    assert first_column("Python versions") == versions_table.python_versions(REPO)
-    assert first_column("Client libraries on their users' releases") == [
-        name for name, _, _ in versions_table.client_rows(REPO)]
+    rows = versions_table.previous_rows(PAGE)  # {section: {first cell: cells}}, in the page's order
+    assert list(rows["deepspeed"]) == list(_compat.SUPPORTED_DEEPSPEED_VERSIONS)
+    assert list(rows["torch"]) == list(_compat.MEASURED_TORCH_VERSIONS)
+    assert list(rows["python"]) == versions_table.python_versions(REPO)
+    assert list(rows["client"]) == [name for name, _, _ in versions_table.client_rows(REPO)]
 
 
 def test_readme_and_changelog_state_the_span_and_count_the_code_supports():
