@@ -34,20 +34,16 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import matrix  # noqa: E402  (the version matrix: its git, default torch and op caches)
 import versions_table  # noqa: E402  (this folder's table writer)
 
-TORCH = "2.13.0"
+TORCH = matrix.DEFAULT_TORCH
 RESULTS = REPO / "docs" / "compat" / "fresh-install.json"
 PAGE = REPO / "docs" / "compat" / "fresh-install.md"
 PROBE = ("import importlib.metadata as m\n"
          "print(' '.join(f'{p}=={m.version(p)}' for p in ('torch', 'deepspeed')))")
 PIP_CHECK_CLEAN = "No broken requirements found."
 STEPS = ("install", "pip install .", "check", "kill switch", "parity", "engines")
-
-
-def git(*argv) -> str:
-    result = subprocess.run(["git", "-C", str(REPO), *argv], capture_output=True, text=True)
-    return result.stdout.strip() if result.returncode == 0 else ""
 
 
 class Release:
@@ -81,7 +77,7 @@ class Release:
     def versions(self) -> str:
         return subprocess.run([self.bin("python"), "-c", PROBE], capture_output=True, text=True).stdout.strip()
 
-    def run(self, ops: Path, scenarios: str, measured: str) -> dict:
+    def run(self, ops, scenarios: str, measured: str) -> dict:
         self.record["measured"] = measured
         shutil.rmtree(self.venv, ignore_errors=True)
         script = (f"{sys.executable} -m venv {self.venv} && {self.bin('pip')} install -q --upgrade pip && "
@@ -101,8 +97,7 @@ class Release:
                 self.record["steps"][name]["summary"] = said[0] if said else ""
         make = ["make", "--no-print-directory", f"VENV={self.venv}", f"DEEPSPEED_VERSION={self.deepspeed}",
                 f"PORT={self.port}", "NVME_OP=0"]
-        env = {"TORCH_EXTENSIONS_DIR": str(ops / f"{self.deepspeed}-py{sys.version_info.major}."
-                                                 f"{sys.version_info.minor}-torch{TORCH}")}
+        env = {"TORCH_EXTENSIONS_DIR": str(ops(self.deepspeed))}  # the matrix's cache of this release's ops
         for name, target in (("parity", ["venv-int", "test-parity-smoke", f"SMOKE_SCENARIOS={scenarios}"]),
                              ("engines", ["test-counts", "COUNT_TESTS=tests/distributed/test_registry.py"])):
             done = self.step(name, make + target, env=env)
@@ -182,13 +177,14 @@ def main(argv=None) -> int:
     scenarios = ",".join(versions_table.makefile_list(REPO, "FRESH_SCENARIOS"))
     changed = subprocess.run(["git", "-C", str(REPO), "diff", "--quiet", "HEAD"]).returncode != 0
     results = json.loads(RESULTS.read_text()) if RESULTS.exists() else {"releases": {}}
-    measured = (f"{git('rev-parse', '--short=12', 'HEAD')}{' + uncommitted changes' if changed else ''}, "
+    measured = (f"{matrix.git('rev-parse', '--short=12', 'HEAD')}{' + uncommitted changes' if changed else ''}, "
                 f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d}")
     results.update(command="make test-fresh-install", scenarios=scenarios,
                    python=f"{sys.version_info.major}.{sys.version_info.minor}.{sys.version_info.micro}")
     root = Path(args.root).expanduser()
+    ops = matrix.Environment(root, matrix.default_python(), TORCH).ops  # the matrix's op cache per release
     for release in wanted:
-        record = Release(release, root, Path(args.out), args.port).run(root / "ops", scenarios, measured)
+        record = Release(release, root, Path(args.out), args.port).run(ops, scenarios, measured)
         results["releases"][release] = record
         results["releases"] = dict(sorted(results["releases"].items(),
                                           key=lambda kv: [int(x) for x in re.findall(r"\d+", kv[0])]))
