@@ -83,24 +83,41 @@ def test_a_cap_keeps_the_first_modules_and_gathers_only_the_rest():
     assert all(torch.equal(a, b) for a, b in zip(params, expected[3], strict=True))
 
 
+def modified_plain_output(x):
+    """What the model computes after rank 0's change below, with no ZeRO-3 at all."""
+    torch.manual_seed(0)
+    plain = model_b()
+    with torch.no_grad():
+        plain.blocks[0].up.weight.mul_(0.5)
+        return plain(x)
+
+
 @pytest.mark.parametrize("invalidate", ["step", "gathered_parameters_modifier", "reset_step"])
 def test_what_is_kept_is_never_stale(invalidate):
     """A kept parameter changed through its partition (the optimizer step) or through GatheredParameters with a
-    modifier rank is gathered again afterwards: the next eval forward equals one with nothing kept."""
+    modifier rank is gathered again afterwards: the next eval forward equals one with nothing kept, or, for the
+    modifier, the plain model under the same change.
+
+    The modifier's reference is not the engine at reuse 0: there
+    GatheredParameters itself gathers the block, and before 0.19.8 it waits only for the last of its gloo
+    all-gathers, so rank 0's write can land in a buffer a gather is still filling and be overwritten, now and
+    then, under either runtime."""
     rank = torch.distributed.get_rank()
+    x = batch(7, rank)
 
     def outputs(reuse):
         torch.manual_seed(0)
         model = model_b()
         engine = training_engine(model, zero3_config(bucket=BUCKET, reuse=reuse))
-        x = batch(7, rank)
         with torch.no_grad():
             engine(x)
         if invalidate == "step":
             engine.backward(mse_loss(engine(batch(0, rank))))
             engine.step()
         elif invalidate == "gathered_parameters_modifier":
-            with deepspeed.zero.GatheredParameters(list(model.blocks[0].parameters()), modifier_rank=0):
+            block = list(model.blocks[0].parameters())
+            assert deepspeed_zero3.get_zero3_stats(engine)["live_numel"] == MODEL_B  # kept: nothing to gather
+            with deepspeed.zero.GatheredParameters(block, modifier_rank=0):
                 if rank == 0:
                     with torch.no_grad():
                         model.blocks[0].up.weight.mul_(0.5)
@@ -112,7 +129,10 @@ def test_what_is_kept_is_never_stale(invalidate):
         engine.destroy()
         return out
 
-    assert torch.equal(outputs(DEFAULT), outputs(0))
+    if invalidate == "gathered_parameters_modifier":
+        assert torch.equal(outputs(DEFAULT), modified_plain_output(x))
+    else:
+        assert torch.equal(outputs(DEFAULT), outputs(0))
 
 
 def test_a_load_into_kept_parameters_reaches_their_partitions():
@@ -123,8 +143,8 @@ def test_a_load_into_kept_parameters_reaches_their_partitions():
     parameters are released and gathered again.
 
     The reference is the plain model with the load, not the same engine at reuse 0: there the loader gathers every
-    parameter in one GatheredParameters, which on upstream 0.19.4-0.19.7 waits only for the last gloo all-gather
-    (fixed in 0.19.8), so the load could land under a gather still arriving (the 0.19.6 matrix run hit it once)."""
+    parameter in one GatheredParameters, which before 0.19.8 waits only for the last of its gloo all-gathers, so the
+    load could land under a gather still arriving (seen once on 0.19.6)."""
     from deepspeed_zero3.testing.engines import inference_engine
 
     rank = torch.distributed.get_rank()

@@ -128,6 +128,9 @@ def test_parameters_already_gathered_are_yielded_without_a_gather():
     engine = engine_over(model)
     params = list(model.parameters())
     with deepspeed.zero.GatheredParameters(params):
+        # Before 0.19.8 the context waits only for the last of its gloo all-gathers; gloo's barrier waits for every
+        # earlier collective of the group, so all the values have arrived before they are read.
+        torch.distributed.barrier()
         stream = deepspeed_zero3.iter_gathered_parameters(engine)
         got = [tensor.clone() for _, tensor in stream]
         assert stream.stats.allgather_calls == 0

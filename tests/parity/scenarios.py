@@ -98,8 +98,8 @@ class Run:
         named = list(model.named_parameters())
         digest = hashlib.sha256()
         for name, p in named:
-            # One parameter per gather: upstream 0.19.4-0.19.7's GatheredParameters over several parameters waits
-            # only for the last gloo all-gather (fixed in 0.19.8), so the others could still be arriving here.
+            # One parameter per gather: before 0.19.8, upstream's GatheredParameters over several parameters waits
+            # only for the last of its gloo all-gathers, so the others could still be arriving here.
             with deepspeed.zero.GatheredParameters([p]):
                 value = p.detach().to("cpu", copy=True).contiguous()
             digest.update(name.encode())

@@ -229,7 +229,7 @@ def eval_then_load_weights_into_an_inference_engine(run, args):
         engine.empty_partition_cache()
         run.loss(engine(batch(5, _rank())).square().mean().item())
         # Whether the load reached the model on every rank: the plain model under the same load, bitwise.
-        # Upstream 0.19.4-0.19.7's loader (GatheredParameters over every parameter) waits only for the last gloo
+        # Before 0.19.8 upstream's loader (GatheredParameters over every parameter) waits only for the last gloo
         # all-gather, so under upstream a load can land in a buffer a gather is still filling.
         reached = torch.tensor([int(after_load == [plain(batch(s, _rank())).square().mean().item() for s in (3, 4)])])
     torch.distributed.all_reduce(reached, op=torch.distributed.ReduceOp.MIN)

@@ -114,7 +114,7 @@ def test_parity(runs, world, name):
     if ours.get("load_reached_the_model") is not None:
         assert ours["load_reached_the_model"] is True
         if theirs.get("load_reached_the_model") is False:
-            # Upstream 0.19.4-0.19.7 on gloo: its loader's GatheredParameters waits only for the last all-gather.
+            # Upstream before 0.19.8 on gloo: its loader's GatheredParameters waits only for the last all-gather.
             before = ours["losses_before_load"]
             for rank, (a, b) in enumerate(zip(ours["losses_by_rank"], theirs["losses_by_rank"])):
                 assert a[:before] == b[:before], f"rank {rank}, before the load: {first_difference(a, b)}"
