@@ -20,7 +20,6 @@ Each step's exit status and seconds, and the versions before and after ``pip ins
 """
 
 import argparse
-import datetime
 import json
 import os
 import re
@@ -175,10 +174,8 @@ def main(argv=None) -> int:
     if unknown:
         parser.error(f"--deepspeed {','.join(unknown)}: not supported; pick from {' '.join(supported)}")
     scenarios = ",".join(versions_table.makefile_list(REPO, "FRESH_SCENARIOS"))
-    changed = subprocess.run(["git", "-C", str(REPO), "diff", "--quiet", "HEAD"]).returncode != 0
     results = json.loads(RESULTS.read_text()) if RESULTS.exists() else {"releases": {}}
-    measured = (f"{matrix.git('rev-parse', '--short=12', 'HEAD')}{' + uncommitted changes' if changed else ''}, "
-                f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d}")
+    measured = matrix.measured_stamp()
     results.update(command="make test-fresh-install", scenarios=scenarios,
                    python=f"{sys.version_info.major}.{sys.version_info.minor}.{sys.version_info.micro}")
     root = Path(args.root).expanduser()

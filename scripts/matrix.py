@@ -114,6 +114,15 @@ def git(*argv) -> str:
     return result.stdout.strip() if result.returncode == 0 else ""
 
 
+def measured_stamp(*paths) -> str:
+    """``<commit>[ + uncommitted changes], <day>``: what a measurement ran on. The tree counts as changed when it
+    differs from the commit under ``paths`` (anywhere when none are given)."""
+    limit = ("--", *paths) if paths else ()
+    changed = subprocess.run(["git", "-C", str(REPO), "diff", "--quiet", "HEAD", *limit]).returncode != 0
+    return (f"{git('rev-parse', '--short=12', 'HEAD')}{' + uncommitted changes' if changed else ''}, "
+            f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d}")
+
+
 def suite_current(row: Row, suite: str, out: Path, runtime) -> bool:
     """The suite passed on a commit that descends from the runtime's last change, unmodified."""
     folder = out / row.name
@@ -201,11 +210,8 @@ def run_row(row: Row, environment: Environment, out: Path, port: int, suites) ->
     for suite in suites:
         for stale in folder.glob(f"{suite}.*"):
             stale.unlink()
-        changed = subprocess.run(["git", "-C", str(REPO), "diff", "--quiet", "HEAD", "--", "src", "tests", "scripts",
-                                  "Makefile", "setup.py", "pyproject.toml"]).returncode != 0
         (folder / f"{suite}.measured").write_text(
-            f"{git('rev-parse', '--short=12', 'HEAD')}{' + uncommitted changes' if changed else ''}, "
-            f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d}\n")
+            measured_stamp("src", "tests", "scripts", "Makefile", "setup.py", "pyproject.toml") + "\n")
         print(f"matrix: {row.name}, {suite} (log {folder / (suite + '.log')})", flush=True)
         start = time.time()
         with open(folder / f"{suite}.log", "w") as log:

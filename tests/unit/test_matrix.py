@@ -1,5 +1,6 @@
 """scripts/matrix.py: which rows the version matrix runs, in which environment, and which it skips as current."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -68,6 +69,17 @@ def test_a_row_is_current_when_every_suite_passed_on_a_descendant_of_the_runtime
     assert not matrix.is_current(row, tmp_path, runtime)  # older than the runtime
     _suite(folder, "counts", 0, f"{new} + uncommitted changes, 2026-12-07")
     assert not matrix.is_current(row, tmp_path, runtime)
+
+
+def test_the_stamp_names_the_checkout_and_is_read_back_as_current(tmp_path):
+    """What a suite's ``.measured`` file holds, written by the matrix and the fresh-install check alike."""
+    head = matrix.git("rev-parse", "--short=12", "HEAD")
+    stamp = matrix.measured_stamp("src")
+    assert re.fullmatch(rf"{head}( \+ uncommitted changes)?, \d{{4}}-\d{{2}}-\d{{2}}", stamp)
+    row = matrix.Row("0.16.1", "3.11", "2.13.0", "0.16.1", ["unit"])
+    _suite(tmp_path / "0.16.1", "unit", 0, stamp)
+    current = matrix.is_current(row, tmp_path, ("cccccccccccc", lambda commit: commit == head))
+    assert current == ("uncommitted" not in stamp)
 
 
 def test_only_the_suites_not_current_run_again(tmp_path):
