@@ -6,6 +6,8 @@ model on demand. Now every first pass gathers exactly what a steady-state pass d
 and still records its observed order once (the guess itself is never cached).
 """
 
+import traceback
+
 import pytest
 import torch
 
@@ -29,6 +31,12 @@ MODELS = {
 
 def passes(engine):
     return deepspeed_zero3.get_zero3_stats(engine)["passes"]
+
+
+def raised_in_upstream_stage3(error: BaseException) -> bool:
+    """Whether ``error`` was raised by upstream's stage-3 optimizer itself (its innermost frame is there)."""
+    frames = traceback.extract_tb(error.__traceback__)
+    return bool(frames) and frames[-1].filename.replace("\\", "/").endswith("deepspeed/runtime/zero/stage3.py")
 
 
 def train(engine, step):
@@ -162,16 +170,32 @@ def test_a_leaf_container_is_gathered_by_the_getter_not_prefetched():
     model = LeafBranches()
     deepspeed.utils.set_z3_leaf_modules(model, [torch.nn.ModuleList])
     engine = training_engine(model, zero3_config(bucket=1_000, reuse=0))
-    for step in range(3):
-        mse_loss(engine(batch(step, torch.distributed.get_rank()))).backward()  # a user backward, as upstream's
-    records = [(p["kind"], p["allgather_calls"], p["allgather_numel"], p["demand_numel"]) for p in passes(engine)]
+
+    def records():
+        return [(p["kind"], p["allgather_calls"], p["allgather_numel"], p["demand_numel"]) for p in passes(engine)]
+
     # Forward 0: final prefetched (272); the branches (544) through the getter, one all-gather per parameter (4),
     # counted as demand ([Note: residency]). Backward 0: the root's fetch now covers its external branches (544);
     # final was kept. From step 1 the root's own fetch, the pass's first, gathers them as its external parameters
     # (on demand: nothing runs before the root to prefetch them, as upstream), and the backward finds the whole
     # model (816 < one bucket) kept.
-    assert records == [("forward", 5, 816, 544), ("backward", 1, 544, 0)] + [("forward", 2, 816, 544),
-                                                                              ("backward", 0, 0, 0)] * 2
+    expected = [("forward", 5, 816, 544), ("backward", 1, 544, 0)] + [("forward", 2, 816, 544),
+                                                                       ("backward", 0, 0, 0)] * 2
+    for step in range(3):
+        try:
+            mse_loss(engine(batch(step, torch.distributed.get_rank()))).backward()  # a user backward, as upstream's
+        except AssertionError as error:
+            if step == 0 or not raised_in_upstream_stage3(error):
+                raise
+            # 0.18.3-0.18.4 end a user backward when a count of gradient hooks reaches zero, and the count includes
+            # one hook per z3 leaf module, run by the leaf's own backward: this leaf runs no forward, so its hook never
+            # comes, the first backward's gradients stay in the reduce bucket and the next backward's assert there.
+            # Upstream's runtime alone stops the same way (later releases end the backward with autograd's graph).
+            assert records()[:2] == expected[:2]
+            engine.destroy()
+            pytest.xfail(f"upstream's stage-3 optimizer asserted in the backward of step {step} (a z3 leaf that runs "
+                         "no forward never ends a user backward on this release); step 0 matched")
+    assert records() == expected
     assert set(model._external_params.values()) == set(model.branches.parameters())  # both weights and biases
     assert deepspeed_zero3.get_zero3_stats(engine)["live_numel"] == 0
     engine.destroy()
