@@ -5,7 +5,8 @@ Run under the DeepSpeed launcher, once with our runtime and once with upstream (
     DS_ACCELERATOR=cpu deepspeed --num_gpus 2 --master_port P tests/parity/scenarios.py --out FILE --world 2
 
 FILE gets {scenario: {"status": "ok"|"crash", "error": str, "losses": [float.hex()], "losses_by_rank": [[...]],
-"params_sha256": str, "runtime": "overlay"|"upstream", ...}} plus a "_meta" entry naming the modules that ran.
+"params_sha256": str, "runtime": "overlay"|"upstream", ...}} plus a "_meta" entry naming the modules that ran; a
+crash every rank raised at the same line also gets "where": "<exception type> at <file>:<line>".
 tests/parity/test_parity.py compares the two files bitwise.
 
 A crash in a scenario is recorded and the next scenario runs, unless the ranks disagree about it (one rank
@@ -587,7 +588,7 @@ def main():
                 record["status"] = "crash"
                 crashed = next(e for e in errors if e is not None)
                 if len(set(wheres)) == 1:
-                    record["error"] = crashed
+                    record["error"], record["where"] = crashed, wheres[0]
                 else:  # ranks crashed at different places, or not all: they may be out of step
                     record["error"] = "ranks disagree: " + "; ".join(
                         f"rank {r}: " + (f"{w}: {e[:300]}" if e else "no crash")

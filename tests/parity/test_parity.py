@@ -86,6 +86,16 @@ def first_difference(ours, theirs):
     return "losses equal"
 
 
+def stopped_alike_in_upstream(ours, theirs) -> bool:
+    """Both runtimes crashed with the same exception at the same line of upstream's own code (a file of the deepspeed
+    package, never one of ours), every rank having recorded the same losses before it: the release itself cannot
+    run the scenario, under either runtime."""
+    where = ours.get("where") or ""
+    return (theirs is not None and theirs.get("status") == "crash" and theirs.get("where") == where
+            and "/deepspeed/" in where.replace(os.sep, "/") and "deepspeed_zero3" not in where
+            and ours.get("losses_by_rank") == theirs.get("losses_by_rank"))
+
+
 @pytest.mark.parametrize("world,name", CASES, ids=[f"w{w}-{n}" for w, n in CASES])
 def test_parity(runs, world, name):
     ours_run, upstream_run = runs["overlay", world], runs["upstream", world]
@@ -96,6 +106,10 @@ def test_parity(runs, world, name):
         pytest.skip(f"{name}: this deepspeed release {ours['release_lacks']}")
     if ours.get("unavailable") and not os.environ.get("CI"):
         pytest.skip(f"{name}: {ours['unavailable']}")
+    if ours["status"] != "ok" and stopped_alike_in_upstream(ours, record_of(upstream_run, name)):
+        where = ours["where"].replace(os.sep, "/")
+        pytest.xfail(f"this release's own code stops both runtimes alike, after equal losses: "
+                     f"{where[where.rindex('/deepspeed/') + 1:]} ({ours['error'][:200]})")
     assert ours["status"] == "ok", f"{name} crashed with our runtime: {ours['error']}\n{log_tail(ours_run)}"
     assert len(ours["losses"]) >= 5 and ours["params_sha256"]
     if "resumed_equals_continued" in ours:
