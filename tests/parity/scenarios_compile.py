@@ -105,7 +105,9 @@ def deepcompile_eager_fallback(run, args):
     ``dc`` op, whose headers include ATen/cuda (``fatal error: cuda.h: No such file or directory``). What runs is the
     path DeepCompile takes for what it leaves eager: module hooks removed (``_remove_module_hooks``), every
     parameter read in the forward gathered by ``ZeROOrderedDict`` for the active fallback, kept until the backward
-    of that forward completes, then released by the fallback.
+    of that forward completes, then released by the fallback. 0.19.3's fallback has no per-forward graph record
+    (``record_forward_graph``, from 0.19.4): there DeepCompile releases what it gathered after every backward, with
+    ``release_gathered_params`` as a post-backward hook, and so does this scenario.
     """
     try:
         from deepspeed.compile.z3_eager_fallback import DeepCompileZ3EagerFallback
@@ -118,17 +120,22 @@ def deepcompile_eager_fallback(run, args):
     engine = run.engine(training_engine(model, zero3_config(**MLP_SMALL_BUCKET)))
     engine.optimizer.parameter_offload._remove_module_hooks()
     fallback = DeepCompileZ3EagerFallback(engine)
+    per_forward = hasattr(fallback, "record_forward_graph")
     gathered, released = [], []
     for step in range(STEPS):
         with fallback.forward_context():
             output = model(batch(step, torch.distributed.get_rank()))
         loss = mse_loss(output)
-        graph = []
-        register_output_backward_hooks(loss, preprocess_once_fn=lambda: fallback.record_backward_start(graph[0]))
-        graph.append(fallback.record_forward_graph())
+        if per_forward:
+            graph = []
+            register_output_backward_hooks(loss, preprocess_once_fn=lambda: fallback.record_backward_start(graph[0]))
+            graph.append(fallback.record_forward_graph())
         gathered.append(len(fallback.stats()["last_gathered_param_ids"]))
         engine.backward(loss)
-        fallback.complete_backward()
+        if per_forward:
+            fallback.complete_backward()
+        else:
+            fallback.release_gathered_params()
         released.append(len(fallback.stats()["last_released_param_ids"]))
         engine.step()
         run.loss(loss.item())
