@@ -564,8 +564,8 @@ def main():
             error = f"{type(exc).__name__}: {exc}"[:2000]
             last = traceback.extract_tb(exc.__traceback__)[-1]
             # Ranks agree on a crash when they raise the same type at the same line (messages may hold
-            # rank-local values).
-            where = f"{type(exc).__name__} at {last.filename}:{last.lineno}"
+            # rank-local values); the path with "/" whatever the OS, as test_parity reads it.
+            where = f"{type(exc).__name__} at {last.filename.replace(os.sep, '/')}:{last.lineno}"
             sys.stderr.write(f"[rank {rank()}] scenario {name} crashed:\n{traceback.format_exc()}\n")
         finally:
             run.destroy()
